@@ -1,0 +1,109 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, with padding rows that cannot do harm.
+
+A decode step of a small model is hundreds of tiny kernels; launching them one by one from Python costs
+more than running them. A CUDA graph records the launches once and replays them with one call. A graph
+replays fixed addresses and fixed grids, so:
+- every input lives in a static buffer sized for the largest bucket, and a step copies its values in;
+- a batch of B requests replays the smallest bucket b >= B; rows B..b-1 are padding: token 0 at position
+  0, slot -1 (its KV goes to the scratch block, which the block manager never hands out) and seq_len 0
+  (attention returns zeros and reads no KV), so they cannot touch a real request;
+- the metadata the graph was captured with holds the bucket's host-side sizes, never the step's.
+
+On the CPU there are no graphs: the same static-buffer path runs eagerly, so CI tests its logic.
+Imports: nanoengine's Batch (lazily, to keep the dependency one way: nanoengine imports this file).
+"""
+import time
+
+import torch
+
+
+def default_buckets(max_num_seqs: int) -> list[int]:
+    """Every bucket size, decided here only: fine steps where padding would waste most, then every 8."""
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 8, 8))
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class GraphRunner:
+    def __init__(self, model, kv_cache: torch.Tensor, max_blocks_per_seq: int, buckets=None,
+                 max_num_seqs: int = 256, use_cuda_graphs: bool = True):
+        self.model, self.kv_cache = model, kv_cache
+        self.buckets = sorted(set(buckets or default_buckets(max_num_seqs)))
+        if self.buckets[0] < 1:
+            raise ValueError(f"graph_buckets={self.buckets} is invalid: sizes must be >= 1")
+        self.use_cuda_graphs = use_cuda_graphs
+        n, dev = self.buckets[-1], kv_cache.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # A decode row has one query token, so the query offsets never change: 0, 1, 2, ...
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.graphs, self.outputs = {}, {}
+        self.capture_seconds, self.capture_bytes = 0.0, 0
+        if use_cuda_graphs:
+            if not getattr(model, "graph_safe", False):
+                raise ValueError("CUDA graphs need a forward that never reads batch values on the host: "
+                                 "load the model with fuse=True and Triton kernels, or set enforce_eager=True")
+            self.capture()
+
+    def batch(self, b: int):
+        """The Batch of bucket b, over the static buffers. max_query_len is the bucket's (1), fixed."""
+        from nanoengine import Batch
+        return Batch(input_ids=self.input_ids[:b], positions=self.positions[:b],
+                     slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
+                     seq_lens=self.seq_lens[:b], block_table=self.block_table[:b],
+                     logits_indices=self.logits_indices[:b], max_query_len=1)
+
+    def forward(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.batch(b), self.kv_cache)  # (b, hidden): every decode row samples
+        return self.model.compute_logits(hidden)           # (b, vocab)
+
+    @torch.inference_mode()
+    def capture(self):
+        """Largest bucket first, so the smaller graphs fit in the memory pool the first one reserved."""
+        torch.cuda.synchronize()
+        free_before, t0, pool = torch.cuda.mem_get_info()[0], time.perf_counter(), None
+        for b in reversed(self.buckets):
+            self.forward(b)  # warm up: compile Triton kernels, let cuBLAS pick its algorithms
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[b] = self.forward(b)
+            except RuntimeError as e:
+                raise ValueError(f"capturing the decode graph of batch {b} failed: the forward read a batch "
+                                 f"value on the host or synchronised ({e}); set enforce_eager=True") from e
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = free_before - torch.cuda.mem_get_info()[0]
+
+    def can_run(self, out) -> bool:
+        """Only decode-only steps (one token per request, each sampling) that fit the largest bucket."""
+        return len(out.requests) <= self.buckets[-1] and out.is_decode and all(out.samples)
+
+    def bucket_for(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def run(self, batch) -> torch.Tensor:
+        """Copy the step in, pad to the bucket, replay; returns logits of the real rows only."""
+        B = batch.seq_lens.shape[0]
+        b = self.bucket_for(B)
+        self.input_ids[:B].copy_(batch.input_ids)
+        self.positions[:B].copy_(batch.positions)
+        self.slot_mapping[:B].copy_(batch.slot_mapping)
+        self.seq_lens[:B].copy_(batch.seq_lens)
+        # Columns past this step's width keep stale block ids: attention never reads past seq_len.
+        self.block_table[:B, :batch.block_table.shape[1]].copy_(batch.block_table)
+        if b > B:  # padding rows: harmless by construction (see the module docstring)
+            self.input_ids[B:b].zero_()
+            self.positions[B:b].zero_()
+            self.slot_mapping[B:b].fill_(-1)
+            self.seq_lens[B:b].zero_()
+        if self.use_cuda_graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:B]
+        return self.forward(b)[:B]

@@ -1,0 +1,877 @@
+"""nanoengine: the model, its weights, the paged KV cache, the model runner and the engine.
+
+    from nanoengine import LLM, SamplingParams
+    llm = LLM(model="tiny")                       # a preset, or a Hugging Face checkpoint folder
+    outs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+
+The engine knows only token ids; a tokenizer (optional) turns text into ids at the edges.
+It imports kernels.py (Triton kernels and their torch references), scheduler.py (requests, blocks,
+batching) and graphs.py (CUDA graphs per batch bucket). run.py is the command line.
+
+The forward pass never reads a batch value back to the host: every per-step value is a tensor in a
+`Batch`, and the only host-side numbers (`max_query_len`, the tensor sizes) are ones a CUDA graph can fix.
+"""
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from graphs import GraphRunner
+from scheduler import FINISHED, PLACEHOLDER, Request, SamplingParams, Scheduler
+
+__all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
+
+EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+# Built-in models: Hugging Face config.json dicts, so presets and checkpoint folders take the same path.
+# Their weights are random (seeded) and made directly on the device: nothing is downloaded.
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+              max_position_embeddings=40960, eos_token_id=151645)
+PRESETS = {
+    # Small enough that `run.py overhead` takes seconds on a laptop CPU, big enough to have every part.
+    "tiny": dict(_QWEN3, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                 head_dim=32, intermediate_size=512, vocab_size=4096, max_position_embeddings=2048,
+                 eos_token_id=4095),
+    "tiny-moe": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=256, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=512,
+                     moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     vocab_size=4096, max_position_embeddings=2048, eos_token_id=4095),
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936),
+    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                         vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
+                         max_position_embeddings=131072, eos_token_id=[128001, 128008, 128009]),
+    "llama-3-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                       vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                       max_position_embeddings=8192, eos_token_id=128001),
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                          tie_word_embeddings=False),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class ModelConfig:
+    """The model's shape, read from a Hugging Face config.json (transformers 4.x or 5.x layout)."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple
+    qkv_bias: bool = False          # Qwen2
+    qk_norm: bool = False           # Qwen3: RMSNorm on each head of q and k
+    num_experts: int = 0            # Qwen3-MoE
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str = "config.json") -> "ModelConfig":
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"{where}: architectures={cfg.get('architectures')} is not supported; "
+                             f"nanoengine runs {', '.join(ARCHITECTURES)}")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+            if cfg.get(key) is None:
+                raise ValueError(f"{where}: required field '{key}' is missing")
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported; "
+                             "nanoengine loads unquantized float16/bfloat16/float32 weights only")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window=True is not supported; only full attention is")
+        # transformers 5.x moved rope_theta and rope_scaling into one rope_parameters dict.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("default", "llama3"):
+                raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported; "
+                                 "nanoengine supports 'default' and 'llama3'")
+            scaling = None if kind == "default" else scaling
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        moe = arch == "Qwen3MoeForCausalLM"
+        return cls(
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch.startswith("Qwen3"),
+            num_experts=cfg.get("num_experts", 0) if moe else 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Every default is stated here once."""
+    model: str = "tiny"                  # a preset name or a checkpoint folder
+    dtype: str | None = None             # None: float32 on the CPU, bfloat16 on CUDA
+    device: str | None = None            # None: cuda if available
+    seed: int = 0                        # random preset weights, and requests without their own seed
+    block_size: int = 16                 # tokens per KV block: small enough to waste little, big enough to gather
+    num_blocks: int | None = None        # None: 1024 on the CPU, from gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights + KV)
+    max_num_seqs: int = 256              # requests in one batch; also the largest graph bucket
+    max_num_batched_tokens: int = 2048   # tokens in one step: long prompts are chunked to this
+    max_model_len: int | None = None     # None: the model's max_position_embeddings, capped at 8192
+    fuse: bool = True                    # fused weights + kernels (Triton on CUDA, torch references on the CPU)
+    triton: bool | None = None           # None: Triton kernels on CUDA; True runs them on the CPU interpreter too
+    enforce_eager: bool | None = None    # None: CUDA graphs on CUDA, eager on the CPU
+    graph_buckets: tuple | None = None   # None: graphs.default_buckets(max_num_seqs)
+    async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} is invalid: it must be a power of two")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks} is invalid: it must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} must both be >= 1")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but torch sees no CUDA device; use device='cpu'")
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} is invalid: use float32, bfloat16 or float16")
+        if self.triton is None:
+            self.triton = self.device.startswith("cuda")
+        if self.enforce_eager is None:
+            self.enforce_eager = not self.device.startswith("cuda")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
+
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "fused_moe", "write_kv", "rope", "paged_attention")
+
+
+def make_ops(triton: bool) -> SimpleNamespace:
+    """The kernels the forward calls: Triton launchers, or their plain-torch references (same arguments)."""
+    return SimpleNamespace(**{name: getattr(kernels, name if triton else name + "_ref") for name in OPS})
+
+
+def rope_cos_sin(cfg: ModelConfig, max_pos: int, device) -> torch.Tensor:
+    """(max_pos, head_dim) float32: cos in the first half, sin in the second (HF's rotate_half layout)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if cfg.rope_scaling:  # Llama 3.1/3.2: stretch the long wavelengths, keep the short ones, blend between
+        s = cfg.rope_scaling
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / lo, inv_freq / factor,
+                               torch.where(wavelen < old_len / hi, inv_freq, blended))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)  # (max_pos, d/2)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight; the math is ops.rmsnorm / ops.add_rmsnorm."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(self.D), RMSNorm(self.D)
+
+    def fuse(self):
+        """One matmul for q, k and v instead of three: fewer launches, one read of x."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        qkv = nn.Linear(1, 1, bias=parts[0].bias is not None, device="meta")
+        qkv.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]))  # ((H + 2 Hkv) D, hidden)
+        if qkv.bias is not None:
+            qkv.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]))
+        self.qkv_proj = qkv
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, batch, k_cache, v_cache, cos_sin, ops):
+        T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of (T, (H+2Hkv) D)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        qn = self.q_norm.weight if hasattr(self, "q_norm") else None
+        kn = self.k_norm.weight if hasattr(self, "k_norm") else None
+        ops.rope(q, k, batch.positions, cos_sin, qn, kn, self.eps)  # in place: (per-head norm), rotary
+        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
+                                batch.block_table, self.scale, batch.max_query_len)  # (T, H, D)
+        return self.o_proj(o.view(T, H * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def fuse(self):
+        self.gate_up_proj = nn.Linear(1, 1, bias=False, device="meta")
+        self.gate_up_proj.weight = nn.Parameter(torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data]))
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x, ops):
+        if hasattr(self, "gate_up_proj"):
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, hidden)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE block: a softmax router picks top-k experts per token; their outputs are mixed by weight."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
+
+    def fuse(self):
+        """Stack the experts so one grouped-GEMM kernel can reach any of them by index."""
+        self.w_gate_up = nn.Parameter(torch.stack(  # (E, 2I, hidden)
+            [torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts]))
+        self.w_down = nn.Parameter(torch.stack([e.down_proj.weight.data for e in self.experts]))  # (E, hidden, I)
+        del self.experts
+
+    def forward(self, x, ops):
+        probs = F.softmax(self.gate(x).float(), dim=-1)              # (T, E), float32 as HF does
+        weights, ids = probs.topk(self.top_k, dim=-1)                # (T, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        if hasattr(self, "w_gate_up"):
+            return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        # Unfused: one small matmul chain per expert that got tokens (and a host sync per expert to know).
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token], ops) * weights[token, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+
+    def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
+        x, residual = add_norm(x, residual, self.input_layernorm.weight, self.eps, ops)
+        x = self.self_attn(x, batch, k_cache, v_cache, cos_sin, ops)
+        x, residual = add_norm(x, residual, self.post_attention_layernorm.weight, self.eps, ops)
+        return self.mlp(x, ops), residual
+
+
+def add_norm(x, residual, weight, eps, ops):
+    """Pre-norm residual stream: residual += x, then normalise it. The first layer has no residual yet."""
+    if residual is None:
+        return ops.rmsnorm(x, weight, eps), x
+    return ops.add_rmsnorm(x, residual, weight, eps)
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops = make_ops(triton=False)
+        self.cos_sin = None  # set by build_model: (max_pos, head_dim) float32 on the model's device
+        self.graph_safe = False
+
+    def tie(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse(self, kernels: bool = True, triton: bool = False):
+        """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed.
+        kernels=True also switches to the fused kernels: Triton if triton, else their torch references."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.ops = make_ops(triton=triton and kernels)
+        self.graph_safe = triton and kernels  # every op a sync-free Triton launch: capturable
+        return self
+
+    def forward(self, batch: "Batch", kv_cache: torch.Tensor) -> torch.Tensor:
+        """batch: one step's tokens; kv_cache (2, layers, blocks + 1, block_size, Hkv, D). -> (T, hidden)"""
+        x, residual = self.model.embed_tokens(batch.input_ids), None
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, batch, kv_cache[0, i], kv_cache[1, i], self.cos_sin, self.ops)
+        x, _ = add_norm(x, residual, self.model.norm.weight, self.config.rms_norm_eps, self.ops)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (S, vocab): sampling wants float32
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights: a checkpoint folder, or random weights for a preset
+
+
+def read_model_config(model: str) -> tuple[dict, str | None]:
+    """(config dict, checkpoint folder or None for a preset)."""
+    if model in PRESETS:
+        return dict(PRESETS[model]), None
+    if not os.path.isdir(model):
+        raise ValueError(f"model={model!r} is neither a folder nor a preset; presets: {', '.join(PRESETS)}")
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"model={model!r}: cannot read config.json ({e})") from None
+    gen_path = os.path.join(model, "generation_config.json")
+    if os.path.exists(gen_path):  # its eos ids win, as in transformers' generate
+        with open(gen_path) as f:
+            gen = json.load(f)
+        if gen.get("eos_token_id") is not None:
+            cfg["eos_token_id"] = gen["eos_token_id"]
+    return cfg, model
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    single = os.path.join(folder, "model.safetensors")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, s) for s in shards]
+    if os.path.exists(single):
+        return [single]
+    raise ValueError(f"model={folder!r}: no model.safetensors or model.safetensors.index.json in the folder")
+
+
+def load_weights(model: Model, folder: str):
+    """Copy each checkpoint tensor into the parameter of the same name, one shard at a time."""
+    from safetensors import safe_open
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = set(params) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved a derived buffer
+                    continue
+                if name not in params:
+                    raise ValueError(f"model={folder!r}: tensor {name!r} in {os.path.basename(path)} matches "
+                                     "no parameter (quantized or unsupported weights?)")
+                t, p = f.get_tensor(name), params[name]
+                if t.shape != p.shape:
+                    raise ValueError(f"model={folder!r}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                     f"config.json implies {tuple(p.shape)}")
+                p.data.copy_(t)
+                missing.discard(name)
+    if missing:
+        raise ValueError(f"model={folder!r}: the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[0]!r}")
+
+
+@torch.no_grad()
+def init_random(model: Model, seed: int):
+    """Deterministic random weights made on the model's device. Linears get std 1/sqrt(fan_in) so
+    activations stay O(1). Embeddings are small (std 0.02, as HF initialises them): with big ones a tied
+    model's residual stream is its input token and greedy decoding just repeats it. The final norm then
+    scales the hidden state so that logits spread with std ~LOGIT_STD: greedy picks are not near-ties."""
+    gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.02, generator=gen)
+        elif "embed_tokens" in name or "lm_head" in name:
+            p.normal_(0.0, EMBED_STD, generator=gen)
+        else:  # a linear (or stacked experts): std 1/sqrt(fan_in)
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    model.model.norm.weight.fill_(LOGIT_STD / (EMBED_STD * model.config.hidden_size ** 0.5))
+
+
+def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
+    """The model on cfg.device in cfg.dtype, weights loaded or random. Returns (model, folder or None)."""
+    hf, folder = read_model_config(cfg.model)
+    mcfg = ModelConfig.from_hf(hf, where=f"model={cfg.model!r} config")
+    dtype = getattr(torch, cfg.dtype)
+    with torch.device("meta"):  # no memory and no init until the real device is known
+        model = Model(mcfg)
+    model = model.to(dtype).to_empty(device=cfg.device)
+    model.tie()
+    if folder is None:
+        init_random(model, cfg.seed)
+    else:
+        load_weights(model, folder)
+    model.cos_sin = rope_cos_sin(mcfg, max_model_len(cfg, mcfg), cfg.device)
+    if cfg.fuse:
+        model.fuse(kernels=True, triton=cfg.triton)
+    return model.eval(), folder
+
+
+def max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+    # 8192: a long context for a teaching engine, and it keeps block tables and graph buffers small.
+    n = cfg.max_model_len or min(mcfg.max_position_embeddings, 8192)
+    if n > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={n} exceeds the model's max_position_embeddings="
+                         f"{mcfg.max_position_embeddings}")
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One step's batch, and sampling
+
+
+@dataclass
+class Batch:
+    """Everything the forward reads about one step, as tensors (no host-side lists the graph can't fix)."""
+    input_ids: torch.Tensor        # (T,) int64
+    positions: torch.Tensor        # (T,) int64
+    slot_mapping: torch.Tensor     # (T,) int64: block * block_size + offset; -1 = padding, goes to scratch
+    query_start_loc: torch.Tensor  # (B + 1,) int32: request b's tokens are [qsl[b], qsl[b + 1])
+    seq_lens: torch.Tensor         # (B,) int32: context length including this step's tokens; 0 = padding
+    block_table: torch.Tensor      # (B, max_blocks) int32
+    logits_indices: torch.Tensor   # (S,) int64: the rows whose next token is sampled
+    max_query_len: int             # host-side bound on tokens per request; sizes the attention grid
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor      # (S,) float32; 0 = greedy
+    top_k: torch.Tensor            # (S,) int64; vocab size when off
+    top_p: torch.Tensor            # (S,) float32
+    seeds: torch.Tensor            # (S,) int64
+    counters: torch.Tensor         # (S,) int64: index of the token being sampled
+    all_greedy: bool
+    need_filter: bool              # any top-k or top-p in the batch (a sort over the vocab)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) in int64 arithmetic: only the low 32 bits are kept."""
+    m = 0xFFFFFFFF
+    x = (x ^ (x >> 16)) * 0x7FEB352D & m
+    x = (x ^ (x >> 15)) * 0x846CA68B & m
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(S, vocab) uniforms in (0, 1) that depend only on (seed, counter, token id): a request's noise
+    does not depend on what else is in the batch, and nothing is read back to the host."""
+    ids = torch.arange(vocab, device=seeds.device)
+    key = _hash32((seeds & 0xFFFFFFFF) ^ _hash32(seeds >> 32) ^ _hash32(counters * 0x9E3779B9 & 0xFFFFFFFF))
+    h = _hash32(key[:, None] ^ ids[None, :])
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
+    """(S, vocab) float32 logits -> (S,) int64 tokens, on the device, with no host sync.
+    Sampling uses the exponential-race trick: argmax(p / E) with E ~ Exp(1) draws from p."""
+    greedy = logits.argmax(dim=-1)
+    if s.all_greedy:
+        return greedy
+    logits = logits / s.temperature.clamp(min=1e-5)[:, None]
+    if s.need_filter:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = (rank[None, :] >= s.top_k[:, None]) | (probs.cumsum(-1) - probs > s.top_p[:, None])
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    noise = -torch.log(seeded_uniform(s.seeds, s.counters, logits.shape[-1]))
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(s.temperature == 0, greedy, sampled)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model runner: KV cache, batch building, forward (eager or graphed) and sampling
+
+
+class ModelRunner:
+    def __init__(self, model: Model, cfg: EngineConfig, num_blocks: int, max_len: int):
+        mc = model.config
+        self.model, self.cfg, self.device = model, cfg, torch.device(cfg.device)
+        self.block_size, self.max_len = cfg.block_size, max_len
+        self.max_blocks_per_seq = -(-max_len // cfg.block_size)
+        # One extra block at the end: the scratch block. The block manager never hands it out; padding
+        # rows (slot -1) write there, so they can never touch a real request's KV.
+        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
+                                    mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
+        self.prev_tokens, self.prev_rows = None, {}  # last step's sampled tokens, for PLACEHOLDER inputs
+        self.stats = StepStats(cuda=self.device.type == "cuda")
+        self.graphs = None
+        if not cfg.enforce_eager:
+            self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq,
+                                      buckets=cfg.graph_buckets, max_num_seqs=cfg.max_num_seqs,
+                                      use_cuda_graphs=self.device.type == "cuda")
+
+    def prepare(self, out) -> tuple[Batch, SamplingBatch, list]:
+        """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
+        reqs, starts, ns, bs = out.requests, out.starts, out.num_tokens, self.block_size
+        ids, pos, slots, fills = [], [], [], []
+        for r, s, n in zip(reqs, starts, ns):
+            toks = r.token_ids[s:s + n]
+            if toks[-1] == PLACEHOLDER:  # only ever the last token: sampled by the step in flight
+                assert r in self.prev_rows, f"{r.request_id}: placeholder input not from the previous step"
+                fills.append((len(ids) + n - 1, self.prev_rows[r]))
+            ids += toks
+            p = np.arange(s, s + n)
+            pos.append(p)
+            slots.append(np.asarray(r.block_ids)[p // bs] * bs + p % bs)
+        width = max(len(r.block_ids) for r in reqs)
+        table = np.zeros((len(reqs), width), dtype=np.int32)
+        for b, r in enumerate(reqs):
+            table[b, :len(r.block_ids)] = r.block_ids
+        ends = np.cumsum(ns)
+        sampling = [r for r, smp in zip(reqs, out.samples) if smp]
+        dev = self.device
+        batch = Batch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(np.concatenate([[0], ends]), dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(np.asarray(starts) + np.asarray(ns), dtype=torch.int32).to(dev, non_blocking=True),
+            block_table=torch.from_numpy(table).to(dev, non_blocking=True),
+            logits_indices=torch.tensor(ends[np.asarray(out.samples, dtype=bool)] - 1,
+                                        dtype=torch.int64).to(dev, non_blocking=True),
+            max_query_len=max(ns))
+        if fills:
+            dst, src = torch.tensor(fills, dtype=torch.int64).to(dev, non_blocking=True).unbind(1)
+            batch.input_ids[dst] = self.prev_tokens[src]
+        return batch, self.prepare_sampling(sampling), sampling
+
+    def prepare_sampling(self, reqs: list[Request]) -> SamplingBatch:
+        p = [r.params for r in reqs]
+        vocab = self.model.config.vocab_size
+        dev = self.device
+        return SamplingBatch(
+            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32).to(dev, non_blocking=True),
+            top_k=torch.tensor([vocab if x.top_k == -1 else x.top_k for x in p]).to(dev, non_blocking=True),
+            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32).to(dev, non_blocking=True),
+            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(dev, non_blocking=True),
+            counters=torch.tensor([len(r.token_ids) for r in reqs], dtype=torch.int64).to(dev, non_blocking=True),
+            all_greedy=all(x.temperature == 0 for x in p),
+            need_filter=any(x.top_k != -1 or x.top_p < 1 for x in p))
+
+    @torch.inference_mode()
+    def execute(self, out) -> torch.Tensor:
+        """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
+        batch, sbatch, sampling = self.prepare(out)
+        t0 = time.perf_counter()
+        start = self.stats.gpu_start()
+        if self.graphs is not None and self.graphs.can_run(out):
+            logits = self.graphs.run(batch)
+        else:
+            hidden = self.model(batch, self.kv_cache)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        tokens = sample(logits, sbatch)
+        self.stats.gpu_end(start)
+        self.stats.forward_s += time.perf_counter() - t0
+        self.prev_tokens, self.prev_rows = tokens, {r: i for i, r in enumerate(sampling)}
+        return tokens
+
+
+class StepStats:
+    """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
+    (so: scheduling, batch building, bookkeeping). On CUDA, events measure each step's device time."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.reset()
+
+    def reset(self):
+        self.steps = self.tokens = 0
+        self.total_s = self.forward_s = self.wait_s = 0.0
+        self.events = []
+
+    @property
+    def host_s(self) -> float:
+        return self.total_s - self.forward_s - self.wait_s
+
+    def gpu_start(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def gpu_end(self, start):
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((start, end))
+
+    def gpu_seconds(self) -> float:
+        if self.events:
+            self.events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine and the LLM front end
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    finished: bool = True
+
+
+class Engine:
+    """add_request / abort / step / step_async / has_unfinished, over a scheduler and a model runner."""
+
+    def __init__(self, cfg: EngineConfig | None = None, **settings):
+        cfg = cfg or EngineConfig(**settings)
+        self.cfg = cfg
+        self.model, folder = build_model(cfg)
+        self.tokenizer = load_tokenizer(folder)
+        mc = self.model.config
+        self.max_model_len = max_model_len(cfg, mc)
+        num_blocks = cfg.num_blocks or self._blocks_for_memory()
+        self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.max_model_len, mc.eos_token_ids)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
+        self.rng = random.Random(cfg.seed)
+        self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
+        self._ids = 0
+
+    def _blocks_for_memory(self) -> int:
+        if not self.cfg.device.startswith("cuda"):
+            return 1024  # 16k tokens: plenty for tests and the CPU demo, a few MB for the tiny model
+        mc = self.model.config
+        free, total = torch.cuda.mem_get_info()
+        budget = total * self.cfg.gpu_memory_utilization - (total - free)
+        # Headroom for activations, logits and graphs: a generous fixed 4 GiB on a 141 GB card.
+        budget -= 4 << 30
+        per_block = 2 * mc.num_layers * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * \
+            self.model.lm_head.weight.element_size()
+        if budget < per_block:
+            raise ValueError(f"gpu_memory_utilization={self.cfg.gpu_memory_utilization} leaves no room for "
+                             "the KV cache after the weights; raise it or use a smaller model")
+        return int(budget // per_block)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is a string but model={self.cfg.model!r} has no tokenizer "
+                                 "(it needs tokenizer.json and the optional 'tokenizers' package); "
+                                 "pass token ids instead")
+            return self.tokenizer.encode(prompt).ids
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue one request. Bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        vocab, limit = self.model.config.vocab_size, self.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary: ids must be in [0, {vocab})")
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most "
+                             f"{limit - 1}")
+        capacity = self.scheduler.blocks.num_blocks * self.cfg.block_size
+        need = min(len(ids) + params.max_tokens, limit)
+        if need > capacity:
+            raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_tokens "
+                             f"{params.max_tokens}) but the whole cache holds {capacity}; lower max_tokens "
+                             "or give the engine more num_blocks")
+        if request_id is None:
+            request_id, self._ids = str(self._ids), self._ids + 1
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        self.scheduler.add(Request(request_id, ids, params, seed))
+        return request_id
+
+    def abort(self, request_id: str):
+        """Safe at any time, also with a step in flight: its token for this request is dropped."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.inflight is not None
+
+    # -- steps --------------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> "StepStats":
+        return self.runner.stats
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, read the tokens back (one host sync), update. Returns the requests that finished."""
+        t0 = time.perf_counter()
+        finished = self._land() if self.inflight else []  # switching from async: land its step first
+        out = self.scheduler.schedule()
+        if out.requests:
+            tokens = self.runner.execute(out)
+            t1 = time.perf_counter()
+            tokens = tokens.tolist()
+            self.stats.wait_s += time.perf_counter() - t1
+            finished += self.scheduler.update(out, tokens)
+        return self._outputs(out, finished, t0)
+
+    def step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        launched = None
+        if out.requests:
+            tokens = self.runner.execute(out)
+            slots = self.scheduler.append_placeholders(out)
+            launched = (slots, *self._copy_to_host(tokens))
+        finished = self._land() if self.inflight else []
+        self.inflight = launched
+        return self._outputs(out, finished, t0)
+
+    def _outputs(self, out, finished: list[Request], t0: float) -> list[RequestOutput]:
+        outputs = [self.output(r) for r in finished]
+        st = self.stats
+        st.steps += bool(out.requests)
+        st.tokens += sum(out.samples)
+        st.total_s += time.perf_counter() - t0
+        return outputs
+
+    def _copy_to_host(self, tokens: torch.Tensor):
+        if tokens.device.type != "cuda":
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _land(self) -> list[Request]:
+        slots, host, event = self.inflight
+        self.inflight = None
+        t = time.perf_counter()
+        if event is not None:
+            event.synchronize()
+        tokens = host.tolist()
+        self.stats.wait_s += time.perf_counter() - t
+        return self.scheduler.fill(slots, tokens)
+
+    def output(self, req: Request) -> RequestOutput:
+        ids = req.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
+        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens], ids, text,
+                             req.finish_reason, req.status == FINISHED)
+
+
+def load_tokenizer(folder: str | None):
+    if folder is None or not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # optional: without it, prompts must be token ids
+        return None
+    return Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+
+
+class LLM:
+    """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) -> outputs in input order."""
+
+    def __init__(self, model: str = "tiny", **settings):
+        self.engine = Engine(EngineConfig(model=model, **settings))
+
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or as ids
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
+                             "give one, or one per prompt")
+        engine, ids = self.engine, []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:  # leave the engine as it was
+                engine.abort(rid)
+            raise
+        done = {}
+        step = engine.step_async if engine.cfg.async_scheduling else engine.step
+        while engine.has_unfinished():
+            for o in step():
+                done[o.request_id] = o
+        return [done[rid] for rid in ids]

@@ -1,0 +1,331 @@
+"""Requests, the paged block manager with prefix caching, and the continuous-batching scheduler.
+
+This file knows token ids, block ids and counts, and nothing of torch or of the model: nanoengine.py turns
+what `Scheduler.schedule()` returns into tensors. It imports nothing from the rest of nanoengine.
+
+The life of a request: WAITING (queued, or preempted) -> RUNNING (holds KV blocks; each step computes some
+of its tokens: a chunk of its prompt, or the one token it sampled last) -> FINISHED (blocks returned).
+"""
+import hashlib
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+# A token that has been sampled on the device but not yet read back to the host (async scheduling). The
+# next step feeds it to the model straight from the device; the host fills it in one step later.
+PLACEHOLDER = -1
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too
+    top_p: float = 1.0          # nucleus sampling: keep the smallest set of tokens whose mass reaches top_p
+    top_k: int = -1             # keep the k most likely tokens; -1 keeps all
+    max_tokens: int = 16        # vLLM's default
+    seed: int | None = None     # per-request seed: the same tokens whatever else is in the batch
+    stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos)
+    ignore_eos: bool = False    # keep going past eos (benchmarks)
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature} is invalid: it must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} is invalid: it must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1 or int(self.top_k) != self.top_k:
+            raise ValueError(f"top_k={self.top_k} is invalid: it must be -1 (off) or an integer >= 1")
+        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} is invalid: it must be an integer >= 1")
+        if self.seed is not None and int(self.seed) != self.seed:
+            raise ValueError(f"seed={self.seed} is invalid: it must be an integer or None")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]              # prompt + generated tokens (the last ones may be PLACEHOLDERs)
+    params: SamplingParams
+    seed: int                         # params.seed, or one drawn by the engine
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0      # tokens whose KV is in the cache (or being written by a launched step)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of this request's full blocks
+    num_pending: int = 0              # PLACEHOLDERs not yet filled in
+    status: str = WAITING
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    arrival: int = 0                  # FCFS order, kept through preemption
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def block_hash(parent: bytes, tokens) -> bytes:
+    """Chained hash: a block's identity is its tokens AND everything before it."""
+    return hashlib.blake2b(parent + bytes(str(tuple(tokens)), "ascii"), digest_size=16).digest()
+
+
+class BlockManager:
+    """Hands out KV blocks, ref-counted, with prefix caching.
+
+    A full block of real tokens is published under its chain hash. When its last user lets go it is not
+    wiped: it waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix
+    until the allocator evicts it. The runner's extra scratch block (index num_blocks) is not known here,
+    so it can never be handed out.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_count = [0] * num_blocks
+        self.hash_of = [None] * num_blocks          # block -> published hash (None: private)
+        self.block_of: dict[bytes, int] = {}        # published hash -> block
+        self.free = deque(range(num_blocks))        # never published, or evicted
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # published, unused; oldest first
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free) + len(self.cached_free)
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.popleft()
+        block, _ = self.cached_free.popitem(last=False)  # evict the least recently freed
+        del self.block_of[self.hash_of[block]]
+        self.hash_of[block] = None
+        return block
+
+    def cached_prefix(self, req: Request) -> list[int]:
+        """Blocks already holding a prefix of req's tokens. The last token is always left to compute,
+        since its logits are what the step needs."""
+        blocks, parent = [], b""
+        n_full = (len(req.token_ids) - 1) // self.block_size
+        for i in range(n_full):
+            tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            if PLACEHOLDER in tokens:
+                break
+            parent = block_hash(parent, tokens)
+            block = self.block_of.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def use_cached(self, req: Request, blocks: list[int]):
+        for block in blocks:
+            if self.ref_count[block] == 0:
+                del self.cached_free[block]
+            self.ref_count[block] += 1
+        req.block_ids = list(blocks)
+        req.block_hashes = [self.hash_of[b] for b in blocks]
+        req.num_computed_tokens = len(blocks) * self.block_size
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        total = -(-(req.num_computed_tokens + num_tokens) // self.block_size)
+        return max(0, total - len(req.block_ids))
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Give req room for num_tokens more tokens; False (and nothing taken) if there is not enough."""
+        need = self.blocks_needed(req, num_tokens)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            block = self._take()
+            self.ref_count[block] = 1
+            req.block_ids.append(block)
+        return True
+
+    def publish(self, req: Request, num_tokens: int):
+        """Hash the blocks that the first num_tokens tokens fill. Hashing stops at the first PLACEHOLDER,
+        and a block whose content is already published by another request (two requests with the same
+        prefix in one step) stays private, so the cache never holds duplicates."""
+        bs = self.block_size
+        while len(req.block_hashes) < num_tokens // bs:
+            i = len(req.block_hashes)
+            tokens = req.token_ids[i * bs:(i + 1) * bs]
+            if PLACEHOLDER in tokens:
+                return
+            parent = req.block_hashes[-1] if req.block_hashes else b""
+            h = block_hash(parent, tokens)
+            req.block_hashes.append(h)
+            block = req.block_ids[i]
+            if h not in self.block_of and self.hash_of[block] is None:
+                self.block_of[h] = block
+                self.hash_of[block] = h
+
+    def release(self, req: Request):
+        # Free the tail first, so that the LRU evicts a prefix's last blocks before its first ones.
+        for block in reversed(req.block_ids):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, f"block {block} freed twice"
+            if self.ref_count[block] == 0:
+                if self.hash_of[block] is None:
+                    self.free.append(block)
+                else:
+                    self.cached_free[block] = None
+        req.block_ids, req.block_hashes = [], []
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: request i computes tokens [starts[i], starts[i] + num_tokens[i])."""
+    requests: list[Request]
+    starts: list[int]
+    num_tokens: list[int]
+    samples: list[bool]          # does this request's chunk reach its end (so it samples a token)?
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_tokens)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute.
+
+    Each step: first the running requests (decodes, and prompts still being chunked), in arrival order,
+    then waiting ones while there is token budget, sequence slots and KV blocks. When a running request
+    needs a block and none is free, the most recently arrived running request is preempted: its blocks
+    go back, and it waits to be recomputed later (prefix caching usually makes that cheap).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple = ()):
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len, self.eos_token_ids = max_model_len, set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    def add(self, req: Request):
+        req.arrival = next(self._arrivals)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _blocked(self, req: Request) -> bool:
+        """A request whose last allowed token is still in flight must not compute another."""
+        return req.num_pending > 0 and (req.num_output_tokens >= req.params.max_tokens
+                                        or len(req.token_ids) >= self.max_model_len)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], [], [])
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if n <= 0 or self._blocked(req):
+                i += 1
+                continue
+            while not self.blocks.allocate(req, n):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                self._add_to_step(out, req, n)
+                budget -= n
+                i += 1
+        # New requests only when nothing had to be preempted: otherwise they would take the room back.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            if req.num_pending:  # preempted with a token in flight: wait for it to land
+                break
+            if req.num_computed_tokens == 0:
+                self.blocks.use_cached(req, self.blocks.cached_prefix(req))
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if not self.blocks.allocate(req, n):
+                self.blocks.release(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RUNNING
+            self.running.append(req)
+            self._add_to_step(out, req, n)
+            budget -= n
+        return out
+
+    def _add_to_step(self, out: SchedulerOutput, req: Request, n: int):
+        start = req.num_computed_tokens
+        out.requests.append(req)
+        out.starts.append(start)
+        out.num_tokens.append(n)
+        out.samples.append(start + n == len(req.token_ids))
+        req.num_computed_tokens = start + n
+        self.blocks.publish(req, start + n)
+
+    def _preempt(self, req: Request):
+        self.blocks.release(req)
+        req.num_computed_tokens = 0
+        req.status = WAITING
+        self.num_preemptions += 1
+        # Back to the front of the queue, in arrival order among the preempted.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < req.arrival:
+            i += 1
+        self.waiting.insert(i, req)
+
+    # -- after a step ---------------------------------------------------------------------------------
+    def append_placeholders(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Async launch: each sampling request gets a PLACEHOLDER where its new token will go."""
+        slots = []
+        for req, samples in zip(out.requests, out.samples):
+            if samples:
+                slots.append((req, len(req.token_ids)))
+                req.token_ids.append(PLACEHOLDER)
+                req.num_pending += 1
+        return slots
+
+    def fill(self, slots: list[tuple[Request, int]], tokens: list[int]) -> list[Request]:
+        """Put sampled tokens in place, check stops; returns the requests that finished."""
+        finished = []
+        for (req, index), token in zip(slots, tokens):
+            if req.status == FINISHED or index >= len(req.token_ids):
+                continue  # stopped or aborted meanwhile: this token was computed for nothing, drop it
+            assert req.token_ids[index] == PLACEHOLDER, f"slot {index} of {req.request_id} already filled"
+            req.token_ids[index] = token
+            req.num_pending -= 1
+            reason = self._stop_reason(req, index)
+            if reason:
+                del req.token_ids[index + 1:]  # tokens already launched after the stop are dropped
+                req.num_pending = 0
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
+        """Sync step: the same as an async launch whose tokens land at once."""
+        return self.fill(self.append_placeholders(out), tokens)
+
+    def _stop_reason(self, req: Request, index: int) -> str | None:
+        token, p = req.token_ids[index], req.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if index + 1 - req.num_prompt_tokens >= p.max_tokens or index + 1 >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str):
+        if req.status == RUNNING:
+            self.running.remove(req)
+        elif req.status == WAITING:
+            self.waiting.remove(req)
+        self.blocks.release(req)
+        req.status, req.finish_reason = FINISHED, reason
+        del self.requests[req.request_id]
