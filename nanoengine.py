@@ -88,7 +88,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple
-    qkv_bias: bool = False          # Qwen2
+    qkv_bias: bool = False          # Qwen2 (and attention_bias=True)
+    o_bias: bool = False            # attention_bias=True puts a bias on o_proj too (not Qwen2)
     qk_norm: bool = False           # Qwen3: RMSNorm on each head of q and k
     num_experts: int = 0            # Qwen3-MoE
     num_experts_per_tok: int = 0
@@ -136,6 +137,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             qk_norm=arch.startswith("Qwen3"),
             num_experts=cfg.get("num_experts", 0) if moe else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
@@ -236,7 +238,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(self.D), RMSNorm(self.D)
 

@@ -207,6 +207,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
 
     def add(self, req: Request):
         req.arrival = next(self._arrivals)
@@ -223,32 +224,32 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], [], [])
-        budget = self.max_num_batched_tokens
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        budget, scheduled, preempted = self.max_num_batched_tokens, set(), False
+        # Decodes first, then prompt chunks: a long prompt takes what budget is left, never the decodes'.
+        todo = sorted(self.running, key=lambda r: len(r.token_ids) - r.num_computed_tokens > 1)
+        for req in todo:
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            if n <= 0 or self._blocked(req):
-                i += 1
+            if req.status != RUNNING or n <= 0 or self._blocked(req):
                 continue
             while not self.blocks.allocate(req, n):
-                preempted = True
-                victim = self.running.pop()
+                victim = self._victim(req, scheduled)
                 self._preempt(victim)
+                preempted = True
                 if victim is req:
                     break
             else:
                 self._add_to_step(out, req, n)
+                scheduled.add(req)
                 budget -= n
-                i += 1
         # New requests only when nothing had to be preempted: otherwise they would take the room back.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token in flight: wait for it to land
                 break
             if req.num_computed_tokens == 0:
-                self.blocks.use_cached(req, self.blocks.cached_prefix(req))
+                cached = self.blocks.cached_prefix(req)
+                self.blocks.use_cached(req, cached)
+                self.num_cached_tokens += len(cached) * self.blocks.block_size
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             if not self.blocks.allocate(req, n):
                 self.blocks.release(req)
@@ -261,6 +262,13 @@ class Scheduler:
             budget -= n
         return out
 
+    def _victim(self, req: Request, scheduled: set) -> Request:
+        """The most recently arrived running request not already in this step; req itself if none."""
+        for r in sorted(self.running, key=lambda r: r.arrival, reverse=True):
+            if r is not req and r not in scheduled:
+                return r
+        return req
+
     def _add_to_step(self, out: SchedulerOutput, req: Request, n: int):
         start = req.num_computed_tokens
         out.requests.append(req)
@@ -271,6 +279,7 @@ class Scheduler:
         self.blocks.publish(req, start + n)
 
     def _preempt(self, req: Request):
+        self.running.remove(req)
         self.blocks.release(req)
         req.num_computed_tokens = 0
         req.status = WAITING

@@ -1,0 +1,607 @@
+"""nanoengine's tests: every fast path checked against a slow, obvious one.
+
+    python -m pytest -q test_all.py          # CPU: Triton kernels run in the interpreter; CUDA tests skip
+On a CUDA machine the same command also runs the GPU tests (bf16 kernels, graphs, sync-free forward).
+
+Sections: the plain-torch reference model (independent of the engine) -> engine vs reference ->
+checkpoints -> sampling -> bad input -> fusion -> graphs -> async -> CLI -> kernels vs their references.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported: run kernels in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+import torch.nn.functional as F
+
+import kernels
+import nanoengine
+import scheduler
+from nanoengine import LLM, Engine, EngineConfig, SamplingParams
+from scheduler import PLACEHOLDER
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ==========================================================================================================
+# The reference model: no paging, no batching, no fusion, full recompute per token. Written from the
+# Hugging Face modeling code, sharing nothing with nanoengine.py.
+# ==========================================================================================================
+
+
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
+    """inv_freq exactly as HF's _compute_default/_compute_llama3_parameters (float32)."""
+    if config.get("rope_parameters") is not None:  # transformers 5.x
+        params = dict(config["rope_parameters"])
+        theta = params["rope_theta"]
+    else:  # transformers 4.x
+        params = dict(config.get("rope_scaling") or {})
+        theta = config.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise NotImplementedError(f"rope_type {rope_type!r}")
+    factor, old_context_len = params["factor"], params["original_max_position_embeddings"]
+    low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def rms_norm(x, weight, eps):
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def mlp(state, prefix, x):  # SwiGLU: down(silu(gate(x)) * up(x))
+    gate = F.linear(x, state[prefix + "gate_proj.weight"])
+    up = F.linear(x, state[prefix + "up_proj.weight"])
+    return F.linear(F.silu(gate) * up, state[prefix + "down_proj.weight"])
+
+
+def moe(state, prefix, config, x):
+    """Qwen3-MoE sparse block: float32 softmax over all experts, top-k, optional renorm."""
+    router_logits = F.linear(x, state[prefix + "gate.weight"])  # [T, E]
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, config["num_experts_per_tok"], dim=-1)
+    if config.get("norm_topk_prob", False):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        # HF accumulates into zeros expert by expert in ascending expert index; do the same.
+        for slot in sorted(range(experts.shape[1]), key=lambda s: int(experts[t, s])):
+            e = int(experts[t, slot])
+            out[t] += mlp(state, f"{prefix}experts.{e}.", x[t : t + 1])[0] * weights[t, slot]
+    return out
+
+
+def is_sparse_layer(config, i):
+    return (i not in config.get("mlp_only_layers", [])) and (
+        config.get("num_experts", 0) > 0 and (i + 1) % config.get("decoder_sparse_step", 1) == 0)
+
+
+def attention(state, prefix, config, arch, x, cos, sin):
+    T = x.shape[0]
+    n_heads = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    qkv_bias = arch == "Qwen2ForCausalLM" or config.get("attention_bias", False)
+    o_bias = arch != "Qwen2ForCausalLM" and config.get("attention_bias", False)
+
+    def proj(name, bias):
+        return F.linear(x, state[prefix + name + ".weight"], state[prefix + name + ".bias"] if bias else None)
+
+    q = proj("q_proj", qkv_bias).view(T, n_heads, head_dim)
+    k = proj("k_proj", qkv_bias).view(T, n_kv, head_dim)
+    v = proj("v_proj", qkv_bias).view(T, n_kv, head_dim)
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):  # per-head RMSNorm before RoPE
+        q = rms_norm(q, state[prefix + "q_norm.weight"], config["rms_norm_eps"])
+        k = rms_norm(k, state[prefix + "k_norm.weight"], config["rms_norm_eps"])
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, head_dim]
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k = k.repeat_interleave(n_heads // n_kv, dim=0)  # query head h uses kv head h // n_rep
+    v = v.repeat_interleave(n_heads // n_kv, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * head_dim**-0.5  # [heads, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)  # True above the diagonal = future
+    scores = scores.masked_fill(causal, float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(0, 1).reshape(T, n_heads * head_dim)
+    return F.linear(out, state[prefix + "o_proj.weight"], state[prefix + "o_proj.bias"] if o_bias else None)
+
+
+@torch.no_grad()
+def ref_logits(state: dict, config: dict, tokens: list[int]) -> torch.Tensor:
+    """Logits [len(tokens), vocab] for the whole sequence, computed from scratch."""
+    arch = config["architectures"][0]
+    if arch not in ARCHS:
+        raise NotImplementedError(arch)
+    if config.get("use_sliding_window", False):
+        raise NotImplementedError("sliding window attention")
+    n_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    eps = config["rms_norm_eps"]
+    embed = state["model.embed_tokens.weight"]
+    x = embed[torch.tensor(tokens, dtype=torch.long)]  # [T, hidden]
+
+    positions = torch.arange(len(tokens), dtype=torch.float32)
+    freqs = positions[:, None] * rope_inv_freq(config, head_dim)[None, :]  # float32, [T, head_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, state[p + "input_layernorm.weight"], eps)
+        x = x + attention(state, p + "self_attn.", config, arch, h, cos, sin)
+        h = rms_norm(x, state[p + "post_attention_layernorm.weight"], eps)
+        if arch == "Qwen3MoeForCausalLM" and is_sparse_layer(config, i):
+            x = x + moe(state, p + "mlp.", config, h)
+        else:
+            x = x + mlp(state, p + "mlp.", h)
+    x = rms_norm(x, state["model.norm.weight"], eps)
+    lm_head = embed if config.get("tie_word_embeddings", False) else state["lm_head.weight"]
+    return F.linear(x, lm_head)
+
+
+def ref_greedy(state: dict, config: dict, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy decode max_tokens tokens (no EOS stop), recomputing everything each step."""
+    tokens, out = list(prompt), []
+    for _ in range(max_tokens):
+        nxt = int(torch.argmax(ref_logits(state, config, tokens)[-1]))
+        out.append(nxt)
+        tokens.append(nxt)
+    return out
+
+
+def to_v5_config(config: dict) -> dict:
+    """Move rope_theta / rope_scaling into rope_parameters, as transformers 5 writes it."""
+    cfg = dict(config)
+    params = dict(cfg.pop("rope_scaling", None) or {})
+    if "type" in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params["rope_theta"] = cfg.pop("rope_theta", 10000.0)
+    cfg["rope_parameters"] = params
+    return cfg
+
+
+def random_hf_checkpoint(arch: str, seed: int = 0, tie: bool = False, **overrides):
+    """(config, state) of a tiny random float32 model; arch in llama/qwen2/qwen3/qwen3_moe."""
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, intermediate_size=128, vocab_size=256, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie, torch_dtype="float32")
+    if arch == "llama":
+        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
+                   mlp_bias=False, rope_theta=500000.0,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=256))
+    elif arch == "qwen2":
+        cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1000000.0,
+                   use_sliding_window=False)
+    elif arch in ("qwen3", "qwen3_moe"):  # head_dim != hidden_size // heads, like real Qwen3
+        cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32,
+                   attention_bias=False, rope_theta=1000000.0, use_sliding_window=False)
+        if arch == "qwen3_moe":
+            cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
+                       decoder_sparse_step=1, mlp_only_layers=[1])
+    else:
+        raise ValueError(arch)
+    cfg.update(overrides)
+    arch_name = cfg["architectures"][0]
+    D, V = cfg["hidden_size"], cfg["vocab_size"]
+    H, KV = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    Dh = cfg.get("head_dim") or D // H
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, std=0.02):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1.0 + w(n, std=0.1)
+
+    def linear(out_f, in_f):  # std ~ 1/sqrt(fan_in) so attention and MLPs really matter
+        return w(out_f, in_f, std=in_f**-0.5)
+
+    sd = {"model.embed_tokens.weight": w(V, D)}  # small, so the layers (not the last
+    # token's own embedding) dominate the output, also when lm_head is tied to it
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = norm(D)
+        sd[p + "post_attention_layernorm.weight"] = norm(D)
+        for name, n_out in (("q_proj", H * Dh), ("k_proj", KV * Dh), ("v_proj", KV * Dh)):
+            sd[p + f"self_attn.{name}.weight"] = linear(n_out, D)
+            if arch_name == "Qwen2ForCausalLM" or cfg.get("attention_bias", False):
+                sd[p + f"self_attn.{name}.bias"] = w(n_out, std=0.1)
+        sd[p + "self_attn.o_proj.weight"] = linear(D, H * Dh)
+        if arch_name != "Qwen2ForCausalLM" and cfg.get("attention_bias", False):
+            sd[p + "self_attn.o_proj.bias"] = w(D, std=0.1)
+        if arch_name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+            sd[p + "self_attn.q_norm.weight"] = norm(Dh)
+            sd[p + "self_attn.k_norm.weight"] = norm(Dh)
+        if arch_name == "Qwen3MoeForCausalLM" and is_sparse_layer(cfg, i):
+            I, experts = cfg["moe_intermediate_size"], range(cfg["num_experts"])
+            sd[p + "mlp.gate.weight"] = linear(cfg["num_experts"], D)
+            prefixes = [p + f"mlp.experts.{e}." for e in experts]
+        else:
+            I, prefixes = cfg["intermediate_size"], [p + "mlp."]
+        for q in prefixes:
+            sd[q + "gate_proj.weight"] = linear(I, D)
+            sd[q + "up_proj.weight"] = linear(I, D)
+            sd[q + "down_proj.weight"] = linear(D, I)
+    sd["model.norm.weight"] = norm(D)
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = linear(V, D)
+    return cfg, sd
+
+
+# ==========================================================================================================
+# Helpers
+# ==========================================================================================================
+
+ARCH_NAMES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+def checkpoint(arch: str, tie: bool = False, seed: int = 0):
+    """A tiny random HF checkpoint whose logits spread wide enough that fp32 rounding never flips an argmax."""
+    cfg, sd = random_hf_checkpoint(arch, seed=seed, tie=tie)
+    sd["model.norm.weight"] = sd["model.norm.weight"] * 30
+    return cfg, sd
+
+
+def save_checkpoint(folder, cfg: dict, sd: dict, shards: int = 1):
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    names = sorted(sd)
+    if shards == 1:
+        save_file({k: sd[k].contiguous() for k in names}, os.path.join(folder, "model.safetensors"))
+        return str(folder)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: sd[k].contiguous() for k in part}, os.path.join(folder, fname))
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dirs(tmp_path_factory):
+    """arch -> (config, state, folder) for untied checkpoints of the four architectures."""
+    out = {}
+    for arch in ARCH_NAMES:
+        cfg, sd = checkpoint(arch)
+        out[arch] = (cfg, sd, save_checkpoint(tmp_path_factory.mktemp(arch), cfg, sd))
+    return out
+
+
+def mixed_prompts(n: int, vocab: int, seed: int = 0, lengths=(1, 2, 7, 16, 17, 40, 130, 300)):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def check_clean(engine: Engine):
+    """Block-manager invariants once a workload is done: every block back (cached ones evictable), no
+    refcount left, the scratch block never handed out, the cache's maps consistent, nothing in flight."""
+    s, bm = engine.scheduler, engine.scheduler.blocks
+    assert not s.requests and not s.running and not s.waiting and engine.inflight is None
+    assert all(c == 0 for c in bm.ref_count), "refcount leak"
+    pool = list(bm.free) + list(bm.cached_free)
+    assert sorted(pool) == list(range(bm.num_blocks)), "a block is lost, duplicated, or the scratch block leaked"
+    for h, b in bm.block_of.items():
+        assert bm.hash_of[b] == h
+    assert engine.runner.kv_cache.shape[2] == bm.num_blocks + 1  # + the scratch block
+
+
+def run(engine: Engine, prompts, params, use_async=False):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params if isinstance(params, list) else
+                                                         [params] * len(prompts))]
+    done = {}
+    while engine.has_unfinished():
+        for o in (engine.step_async() if use_async else engine.step()):
+            done[o.request_id] = o
+    return [done[i] for i in ids]
+
+
+# ==========================================================================================================
+# Engine vs the reference model
+# ==========================================================================================================
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("fuse", [False, True])
+def test_greedy_matches_reference(ckpt_dirs, arch, fuse):
+    cfg, sd, folder = ckpt_dirs[arch]
+    prompts = mixed_prompts(8, cfg["vocab_size"], seed=1)
+    engine = Engine(model=folder, fuse=fuse)
+    outs = run(engine, prompts, greedy(6))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == ref_greedy(sd, cfg, p, 6), f"{arch} prompt of {len(p)} tokens"
+        assert o.finish_reason == "length"
+    check_clean(engine)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_chunked_prefill_matches_reference(ckpt_dirs, arch):
+    cfg, sd, folder = ckpt_dirs[arch]
+    prompts = mixed_prompts(6, cfg["vocab_size"], seed=2, lengths=(300, 3, 120, 1, 64, 45))
+    engine = Engine(model=folder, max_num_batched_tokens=48)  # every long prompt takes several steps
+    chunks = []
+    ids = [engine.add_request(p, greedy(5)) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        out = engine.scheduler.schedule()
+        chunks.append(out.num_tokens)
+        toks = engine.runner.execute(out).tolist() if out.requests else []
+        for r in engine.scheduler.update(out, toks):
+            done[r.request_id] = r.output_token_ids
+    assert any(len(c) > 1 and max(c) > 1 and min(c) == 1 for c in chunks), "decodes ran beside a chunk"
+    assert all(sum(c) <= 48 for c in chunks)
+    for p, i in zip(prompts, ids):
+        assert done[i] == ref_greedy(sd, cfg, p, 5)
+    check_clean(engine)
+
+
+def test_prefix_cache_hits_match_reference(ckpt_dirs):
+    cfg, sd, folder = ckpt_dirs["llama"]
+    rng = random.Random(3)
+    shared = [rng.randrange(cfg["vocab_size"]) for _ in range(70)]
+    prompts = [shared + [rng.randrange(cfg["vocab_size"]) for _ in range(k)] for k in (0, 1, 5, 40)]
+    prompts.append(shared[:64])  # entirely cached blocks: the last token is still recomputed
+    engine = Engine(model=folder)
+    first = run(engine, prompts, greedy(5))  # same step: duplicates must not be published twice
+    hashes = list(engine.scheduler.blocks.block_of)
+    assert len(hashes) == len(set(hashes))
+    hits_before = engine.scheduler.num_cached_tokens
+    second = run(engine, prompts, greedy(5))
+    assert engine.scheduler.num_cached_tokens - hits_before >= 4 * 64, "second run reused the prefix"
+    for p, a, b in zip(prompts, first, second):
+        want = ref_greedy(sd, cfg, p, 5)
+        assert a.token_ids == want and b.token_ids == want
+    check_clean(engine)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_preemption_matches_reference(ckpt_dirs, arch):
+    cfg, sd, folder = ckpt_dirs[arch]
+    prompts = mixed_prompts(6, cfg["vocab_size"], seed=4, lengths=(40, 33, 60, 17, 50, 25))
+    engine = Engine(model=folder, num_blocks=12)  # 192 tokens for ~225 of prompts + 90 generated
+    outs = run(engine, prompts, greedy(15))
+    assert engine.scheduler.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == ref_greedy(sd, cfg, p, 15)
+    check_clean(engine)
+
+
+def test_stops_on_eos_stop_ids_and_max_len(ckpt_dirs):
+    cfg, sd, folder = ckpt_dirs["qwen3"]
+    p = mixed_prompts(1, cfg["vocab_size"], seed=5, lengths=(20,))[0]
+    want = ref_greedy(sd, cfg, p, 8)
+    engine = Engine(model=folder, max_model_len=len(p) + 4)
+    assert run(engine, [p], greedy(8))[0].token_ids == want[:4]  # model length reached
+    assert run(engine, [p], greedy(8))[0].finish_reason == "length"
+    engine = Engine(model=folder)
+    o = run(engine, [p], greedy(8, stop_token_ids=[want[2]]))[0]
+    assert o.token_ids == want[:want.index(want[2]) + 1] and o.finish_reason == "stop"
+    # eos from generation_config.json wins over config.json's; ignore_eos turns it off
+    folder2 = save_checkpoint(os.path.join(folder, "eos"), dict(cfg, eos_token_id=9999), sd)
+    with open(os.path.join(folder2, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [want[3]]}, f)
+    engine = Engine(model=folder2)
+    o = run(engine, [p], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert o.token_ids == want[:want.index(want[3]) + 1] and o.finish_reason == "stop"
+    assert run(engine, [p], greedy(8))[0].token_ids == want
+    check_clean(engine)
+
+
+# ==========================================================================================================
+# Checkpoints
+# ==========================================================================================================
+
+
+@pytest.mark.parametrize("arch,tie,shards", [("qwen3", True, 1), ("qwen3", False, 3), ("llama", True, 2),
+                                             ("qwen2", False, 1)])
+def test_safetensors_round_trip(tmp_path, arch, tie, shards):
+    cfg, sd = checkpoint(arch, tie=tie, seed=7)
+    assert ("lm_head.weight" in sd) != tie
+    folder = save_checkpoint(tmp_path / "ck", cfg, sd, shards=shards)
+    prompts = mixed_prompts(3, cfg["vocab_size"], seed=8)
+    outs = LLM(model=folder).generate(prompts, greedy(6))
+    assert [o.token_ids for o in outs] == [ref_greedy(sd, cfg, p, 6) for p in prompts]
+    # transformers 5.x writes rope settings as rope_parameters: same model, same tokens
+    folder5 = save_checkpoint(tmp_path / "ck5", to_v5_config(cfg), sd, shards=shards)
+    assert [o.token_ids for o in LLM(model=folder5).generate(prompts, greedy(6))] == [o.token_ids for o in outs]
+
+
+def test_string_prompts_with_a_tokenizer(tmp_path, ckpt_dirs):
+    tokenizers = pytest.importorskip("tokenizers")
+    cfg, sd, _ = ckpt_dirs["qwen3"]
+    folder = save_checkpoint(tmp_path / "tok", cfg, sd)
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"[UNK]": 26}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    llm = LLM(model=folder)
+    text_out, ids_out = llm.generate(["hello", [7, 4, 11, 11, 14]], greedy(4))
+    assert text_out.prompt_token_ids == [7, 4, 11, 11, 14] and text_out.token_ids == ids_out.token_ids
+    assert isinstance(text_out.text, str)
+
+
+# ==========================================================================================================
+# Sampling
+# ==========================================================================================================
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    llm = LLM("tiny")
+    vocab = llm.engine.model.config.vocab_size
+    probe = [5, 6, 7, 8]
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=1234, max_tokens=12)
+    alone = llm.generate([probe], sp)[0].token_ids
+    others = mixed_prompts(5, vocab, seed=9)
+    batch = llm.generate(others[:2] + [probe] + others[2:],
+                         [SamplingParams(temperature=1.0, seed=i, max_tokens=20) for i in range(2)] + [sp] +
+                         [greedy(3)] * 3)
+    assert batch[2].token_ids == alone
+    other_seed = llm.generate([probe], SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=99,
+                                                      max_tokens=12))[0].token_ids
+    assert other_seed != alone
+    check_clean(llm.engine)
+
+
+def test_top_k_1_equals_greedy_and_filters_apply():
+    llm = LLM("tiny")
+    prompts = mixed_prompts(4, 4096, seed=10)
+    g = [o.token_ids for o in llm.generate(prompts, greedy(8))]
+    k1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, seed=3,
+                                                                     max_tokens=8, ignore_eos=True))]
+    assert k1 == g
+    # the sampler itself: top-k keeps only the k best, top-p only the nucleus, temperature 0 is argmax
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    s = nanoengine.SamplingBatch(temperature=torch.tensor([1.0, 1.0, 0.0]), top_k=torch.tensor([3, 50, 50]),
+                                 top_p=torch.tensor([1.0, 0.3, 1.0]), seeds=torch.tensor([1, 2, 3]),
+                                 counters=torch.tensor([0, 0, 0]), all_greedy=False, need_filter=True)
+    top3, seen = set(logits[0].topk(3).indices.tolist()), [set(), set()]
+    probs = logits[1].softmax(-1).sort(descending=True)
+    nucleus = set(probs.indices[:int((probs.values.cumsum(0) - probs.values < 0.3).sum())].tolist())
+    for c in range(200):
+        s.counters = torch.tensor([c, c, c])
+        t = nanoengine.sample(logits, s).tolist()
+        seen[0].add(t[0]); seen[1].add(t[1])
+        assert t[2] == logits[2].argmax().item()
+    assert 1 < len(nucleus) < 20 and seen[0] == top3 and seen[1] == nucleus
+
+
+def test_seeded_noise_is_uniform():
+    u = nanoengine.seeded_uniform(torch.tensor([7, 8]), torch.tensor([0, 1]), 100_000)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+
+
+# ==========================================================================================================
+# Bad input: a ValueError naming the argument and value, and the engine keeps serving
+# ==========================================================================================================
+
+
+def test_bad_requests_leave_the_engine_serving():
+    engine = Engine(model="tiny", num_blocks=4)  # 64 tokens of KV
+    bad = [
+        (([], None), "prompt is empty"),
+        (([1, 99999], None), "99999 is outside the vocabulary"),
+        (([1] * 3000, None), "max_model_len"),
+        (([1] * 30, SamplingParams(max_tokens=100)), "whole cache holds 64"),
+        (("hello", None), "no tokenizer"),
+    ]
+    for (prompt, sp), msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(prompt, sp)
+    for kw, msg in [(dict(max_tokens=0), "max_tokens=0"), (dict(temperature=-1), "temperature=-1"),
+                    (dict(top_p=0), "top_p=0"), (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=0), "top_k=0"),
+                    (dict(top_k=-2), "top_k=-2")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
+    good = run(engine, [[1, 2, 3]], greedy(4))
+    assert len(good[0].token_ids) == 4
+    llm = LLM("tiny")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2], [5, 10**6]], greedy(2))
+    assert len(llm.generate([[1, 2]], greedy(2))[0].token_ids) == 2  # the good prompt was not left behind
+    check_clean(llm.engine)
+
+
+def test_bad_models_are_refused(tmp_path, ckpt_dirs):
+    with pytest.raises(ValueError, match="neither a folder nor a preset"):
+        Engine(model=str(tmp_path / "missing"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read config.json"):
+        Engine(model=str(tmp_path / "broken"))
+    cfg, sd, _ = ckpt_dirs["llama"]
+    cases = [(dict(cfg, hidden_size=None), "required field 'hidden_size'"),
+             (dict(cfg, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+             (dict(cfg, rope_scaling=dict(rope_type="yarn", factor=4.0)), "'yarn'"),
+             (dict(cfg, quantization_config=dict(quant_method="gptq")), "gptq"),
+             (dict(cfg, use_sliding_window=True), "use_sliding_window")]
+    for i, (bad_cfg, msg) in enumerate(cases):
+        with pytest.raises(ValueError, match=msg):
+            Engine(model=save_checkpoint(tmp_path / f"bad{i}", bad_cfg, sd))
+    with pytest.raises(ValueError, match="lacks"):
+        Engine(model=save_checkpoint(tmp_path / "partial", cfg, {k: v for k, v in sd.items() if "layers.1." not in k}))
+
+
+# ==========================================================================================================
+# Fusion
+# ==========================================================================================================
+
+
+def _logits_for(engine: Engine, prompts):
+    for p in prompts:
+        engine.add_request(p, greedy(1))
+    out = engine.scheduler.schedule()
+    batch, _, _ = engine.runner.prepare(out)
+    with torch.inference_mode():
+        hidden = engine.model(batch, engine.runner.kv_cache)
+        return engine.model.compute_logits(hidden[batch.logits_indices])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_fused_equals_unfused_and_costs_no_memory(preset):
+    unfused, fused = Engine(model=preset, fuse=False), Engine(model=preset, fuse=True)
+    before = nanoengine.param_bytes(unfused.model)
+    assert nanoengine.param_bytes(fused.model) == before
+    names = {n for n, _ in fused.model.named_parameters()}
+    assert any("qkv_proj" in n for n in names) and not any("q_proj" in n or "gate_proj" in n for n in names)
+    prompts = mixed_prompts(4, 4096, seed=11)
+    torch.testing.assert_close(_logits_for(fused, prompts), _logits_for(unfused, prompts), atol=1e-3, rtol=1e-4)
+    # the fuse step itself frees the originals: parameter bytes unchanged on the same model object
+    model = Engine(model=preset, fuse=False).model
+    model.fuse(kernels=True)
+    assert nanoengine.param_bytes(model) == before
+
+
+def test_triton_kernels_end_to_end_equal_unfused(tmp_path):
+    """The whole fused forward on the Triton kernels (the interpreter on the CPU), MoE included."""
+    cfg, sd = checkpoint("qwen3_moe", seed=12)
+    folder = save_checkpoint(tmp_path / "moe", cfg, sd)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]]
+    unfused = LLM(model=folder, fuse=False).generate(prompts, greedy(3))
+    llm = LLM(model=folder, fuse=True, triton=True)
+    assert llm.engine.model.ops.paged_attention is kernels.paged_attention
+    triton_out = llm.generate(prompts, greedy(3))
+    assert [o.token_ids for o in triton_out] == [o.token_ids for o in unfused]
+    assert [o.token_ids for o in unfused] == [ref_greedy(sd, cfg, p, 3) for p in prompts]
