@@ -605,3 +605,305 @@ def test_triton_kernels_end_to_end_equal_unfused(tmp_path):
     triton_out = llm.generate(prompts, greedy(3))
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in unfused]
     assert [o.token_ids for o in unfused] == [ref_greedy(sd, cfg, p, 3) for p in prompts]
+
+
+# ==========================================================================================================
+# Graphs: the static-buffer runner (eager on the CPU, captured on CUDA)
+# ==========================================================================================================
+
+
+def _decode_step(engine: Engine, prompts):
+    """Add prompts, run their prefill, and return the next (decode-only) step's plan and batch."""
+    for p in prompts:
+        engine.add_request(p, greedy(3))
+    engine.step()
+    out = engine.scheduler.schedule()
+    assert out.is_decode and len(out.requests) == len(prompts)
+    return out, engine.runner.prepare(out)[0]
+
+
+def _finish(engine: Engine, out, logits):
+    engine.scheduler.update(out, logits.argmax(-1).tolist())
+    while engine.has_unfinished():
+        engine.step()
+    check_clean(engine)
+
+
+def test_graph_runner_equals_plain_forward_for_every_batch_size():
+    engine = Engine(model="tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8), max_num_seqs=12)
+    g = engine.runner.graphs
+    assert g is not None and not g.use_cuda_graphs and g.buckets == [1, 2, 4, 8]
+    for B in range(1, 12):
+        out, batch = _decode_step(engine, mixed_prompts(B, 4096, seed=B, lengths=(3, 17, 30, 1, 9)))
+        with torch.inference_mode():
+            plain = engine.model.compute_logits(engine.model(batch, engine.runner.kv_cache))
+            if B <= 8:
+                assert g.can_run(out) and g.bucket_for(B) == min(b for b in g.buckets if b >= B)
+                torch.testing.assert_close(g.run(batch), plain, atol=1e-4, rtol=1e-5)
+            else:
+                assert not g.can_run(out)  # above the largest bucket: eager
+        _finish(engine, out, plain)
+
+
+def test_graphed_engine_tokens_equal_eager():
+    prompts = mixed_prompts(11, 4096, seed=13, lengths=(5, 17, 33, 2))
+    for B in (1, 3, 4, 5, 8, 9, 11):
+        graphed = LLM("tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8), max_num_seqs=11)
+        eager = LLM("tiny", enforce_eager=True, max_num_seqs=11)
+        assert [o.token_ids for o in graphed.generate(prompts[:B], greedy(5))] == \
+            [o.token_ids for o in eager.generate(prompts[:B], greedy(5))]
+
+
+def test_padding_rows_cannot_touch_real_kv():
+    engine = Engine(model="tiny", enforce_eager=False, graph_buckets=(8,), max_num_seqs=8, num_blocks=16)
+    out, batch = _decode_step(engine, mixed_prompts(3, 4096, seed=14, lengths=(5, 20, 35)))
+    kv = engine.runner.kv_cache
+    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))  # known values everywhere
+    before = kv.clone()
+    with torch.inference_mode():
+        logits = engine.runner.graphs.run(batch)  # 3 real rows, 5 padding rows
+    changed = (kv != before).flatten(4).any(-1).any(0).any(0)  # (blocks + 1, block_size): slot written?
+    real = set(batch.slot_mapping.tolist())
+    bs, scratch = engine.cfg.block_size, engine.scheduler.blocks.num_blocks
+    written = {b * bs + o for b, o in changed.nonzero().tolist()}
+    assert real <= written, "every real row's KV was written"
+    assert {s for s in written if s // bs != scratch} == real, "nothing else in a real block changed"
+    assert changed[scratch].any(), "padding rows wrote to the scratch block"
+    assert logits.shape[0] == 3
+    _finish(engine, out, logits)
+
+
+def test_scratch_block_never_handed_out_under_pressure(monkeypatch):
+    taken = []
+    orig = scheduler.BlockManager._take
+    monkeypatch.setattr(scheduler.BlockManager, "_take", lambda self: taken.append(orig(self)) or taken[-1])
+    engine = Engine(model="tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8), num_blocks=10)
+    outs = run(engine, mixed_prompts(8, 4096, seed=15, lengths=(30, 40, 9)), greedy(20))
+    assert engine.scheduler.num_preemptions > 0 and max(taken) < 10 and all(len(o.token_ids) == 20 for o in outs)
+    check_clean(engine)
+
+
+def test_graph_buckets_are_decided_once():
+    from graphs import default_buckets
+    assert default_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert default_buckets(256)[-1] == 256 and len(default_buckets(256)) == 35
+
+
+# ==========================================================================================================
+# Async scheduling: identical results to sync, on random workloads
+# ==========================================================================================================
+
+
+@pytest.fixture
+def no_placeholder_hashed(monkeypatch):
+    orig = scheduler.block_hash
+
+    def checked(parent, tokens):
+        assert PLACEHOLDER not in tokens, "a placeholder reached the prefix cache"
+        return orig(parent, tokens)
+    monkeypatch.setattr(scheduler, "block_hash", checked)
+
+
+def _random_workload(seed: int):
+    rng = random.Random(seed)
+    shared = [rng.randrange(4096) for _ in range(48)]
+    prompts = [(shared[:rng.randint(16, 48)] if rng.random() < 0.5 else []) +
+               [rng.randrange(4096) for _ in range(rng.randint(1, 50))] for _ in range(rng.randint(4, 12))]
+    params = []
+    for i in range(len(prompts)):
+        kw = dict(max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5)
+        if rng.random() < 0.5:
+            kw.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1000))
+        else:
+            kw.update(temperature=0)
+        params.append(kw)
+    num_blocks = rng.choice([None, 10, 14])  # small caches force preemption
+    aborts = {rng.randrange(len(prompts)): rng.randint(1, 8)} if rng.random() < 0.6 else {}
+    return prompts, params, num_blocks, aborts
+
+
+def _run_with_aborts(engine, prompts, params, aborts, use_async):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done, steps = {}, 0
+    while engine.has_unfinished():
+        for o in (engine.step_async() if use_async else engine.step()):
+            done[o.request_id] = (o.token_ids, o.finish_reason)
+        steps += 1
+        for i, at in aborts.items():
+            if steps == at:
+                engine.abort(ids[i])  # async: with this request's next token in flight
+    return [done.get(i) for i in ids]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_async_equals_sync_on_random_workloads(seed, no_placeholder_hashed):
+    prompts, raw, num_blocks, aborts = _random_workload(seed)
+    # stop tokens that fire mid-stream: taken from a first run's outputs
+    first = run(Engine(model="tiny"), prompts, [SamplingParams(**kw) for kw in raw])
+    rng = random.Random(seed)
+    for kw, o in zip(raw, first):
+        if len(o.token_ids) > 2 and rng.random() < 0.5:
+            kw["stop_token_ids"] = [o.token_ids[rng.randrange(1, len(o.token_ids))]]
+    params = [SamplingParams(**kw) for kw in raw]
+    results = []
+    for use_async in (False, True):
+        engine = Engine(model="tiny", num_blocks=num_blocks)
+        results.append(_run_with_aborts(engine, prompts, params, aborts, use_async))
+        check_clean(engine)
+    sync_out, async_out = results
+    for i, (a, b) in enumerate(zip(sync_out, async_out)):
+        if i in aborts:
+            continue  # aborted at different points of its life in the two modes
+        assert a == b, f"request {i}: sync {a} vs async {b}"
+        assert PLACEHOLDER not in a[0] and len(a[0]) <= params[i].max_tokens
+
+
+def test_async_never_exceeds_max_tokens_and_drops_tokens_after_a_stop(no_placeholder_hashed):
+    engine = Engine(model="tiny")
+    p = [9, 8, 7, 6]
+    want = run(engine, [p], greedy(10))[0].token_ids
+    stop = want[4]
+    for mt in (1, 2, 7):
+        o = run(engine, [p], greedy(mt), use_async=True)[0]
+        assert o.token_ids == want[:mt] and o.finish_reason == "length"
+    o = run(engine, [p], greedy(10, stop_token_ids=[stop]), use_async=True)[0]
+    assert o.token_ids == want[:want.index(stop) + 1] and o.finish_reason == "stop"
+    check_clean(engine)
+
+
+def test_async_placeholder_input_comes_from_the_device():
+    """The token fed to step s+1 is read from step s's token tensor, never through the host."""
+    engine = Engine(model="tiny")
+    engine.add_request([1, 2, 3], greedy(4))
+    engine.step_async()  # prefill launched; its token is a PLACEHOLDER on the host
+    req = next(iter(engine.scheduler.requests.values()))
+    assert req.token_ids[-1] == PLACEHOLDER
+    out = engine.scheduler.schedule()
+    batch, _, _ = engine.runner.prepare(out)
+    assert batch.input_ids.tolist() == engine.runner.prev_tokens.tolist()
+    engine.abort(req.request_id)
+    engine.inflight = None
+    check_clean(engine)
+
+
+# ==========================================================================================================
+# The command line
+# ==========================================================================================================
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(HERE, "run.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=HERE, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+
+
+def test_cli_overhead_prints_every_configuration():
+    r = cli("overhead", "--requests", "4", "--new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert lines[0]["device"] == "cpu" and lines[0]["requests"] == 4 and lines[0]["floor_ms"] > 0
+    assert [x["config"] for x in lines[1:]] == ["eager", "fused", "fused+async"]
+    for x in lines[1:]:
+        assert x["same_tokens"] is True and x["steps"] > 0 and x["tok_s"] > 0 and x["host_ms_per_step"] > 0
+
+
+def test_cli_generate_and_bench_and_profile(tmp_path):
+    r = cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json")
+    assert r.returncode == 0 and len(json.loads(r.stdout)["token_ids"]) == 4
+    r = cli("bench", "--num-requests", "3", "--min-len", "4", "--max-len", "12")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and rec["output_tokens"] > 0 and rec["output_tok_s"] > 0
+    r = cli("profile", "--requests", "2", "--steps", "2", "--configs", "fused", "--out", str(tmp_path))
+    assert r.returncode == 0 and os.path.exists(json.loads(r.stdout)["trace"])
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens=0"),
+    (["generate", "--prompt-ids", "1,x"], "--prompt-ids"),
+    (["generate", "--model", "/no/such/dir", "--prompt-ids", "1"], "neither a folder nor a preset"),
+    (["generate", "--prompt", "hi"], "no tokenizer"),
+    (["generate", "--prompt-ids", "1", "--temperature", "-1"], "temperature=-1"),
+    (["overhead", "--requests", "0"], "--requests"),
+    (["overhead", "--configs", "turbo"], "turbo"),
+    (["kernels"], "needs a CUDA device"),
+])
+def test_cli_bad_input_is_one_line(args, msg):
+    r = cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, r.stderr
+
+
+# ==========================================================================================================
+# GPU: bf16, real graphs, and the proof that the fused forward never syncs (skipped on the CPU)
+# ==========================================================================================================
+
+
+@needs_cuda
+def test_gpu_graphs_equal_eager_for_every_batch_size():
+    graphed = LLM("tiny", enforce_eager=False, max_num_seqs=40)
+    eager = LLM("tiny", enforce_eager=True, max_num_seqs=41)
+    buckets = graphed.engine.runner.graphs.buckets
+    assert buckets == [1, 2, 4, 8, 16, 24, 32, 40] and graphed.engine.runner.graphs.use_cuda_graphs
+    prompts = mixed_prompts(41, 4096, seed=16, lengths=(5, 17, 33, 2))
+    for B in sorted(set(range(1, 12)) | {b + d for b in buckets for d in (-1, 0, 1)}):
+        if 1 <= B <= 40:
+            a = [o.token_ids for o in graphed.generate(prompts[:B], greedy(6))]
+            assert a == [o.token_ids for o in eager.generate(prompts[:B], greedy(6))], f"batch {B}"
+
+
+@needs_cuda
+def test_gpu_replays_allocate_nothing():
+    engine = Engine(model="tiny", enforce_eager=False, max_num_seqs=16)
+    out, batch = _decode_step(engine, mixed_prompts(5, 4096, seed=17))
+    g = engine.runner.graphs
+    with torch.inference_mode():
+        g.run(batch)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        for _ in range(50):
+            logits = g.run(batch)
+        torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "a replay allocated memory"
+    _finish(engine, out, logits)
+    m0 = torch.cuda.memory_allocated()
+    run(engine, mixed_prompts(16, 4096, seed=18), greedy(30))
+    assert torch.cuda.memory_allocated() <= m0 + (1 << 20), "memory grew across many steps"
+
+
+@needs_cuda
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_gpu_fused_forward_never_syncs(preset):
+    engine = Engine(model=preset, enforce_eager=True)
+    for p in mixed_prompts(6, 4096, seed=19):
+        engine.add_request(p, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, max_tokens=4))
+    engine.step()  # a mixed step first, then decodes with prompts still arriving
+    engine.add_request([5] * 40, greedy(3))
+    out = engine.scheduler.schedule()
+    batch, sbatch, _ = engine.runner.prepare(out)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            hidden = engine.model(batch, engine.runner.kv_cache)
+            tokens = nanoengine.sample(engine.model.compute_logits(hidden[batch.logits_indices]), sbatch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape[0] == sum(out.samples)
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch):
+    cfg, sd, folder = ckpt_dirs[arch]
+    prompts = mixed_prompts(8, cfg["vocab_size"], seed=1)
+    outs = LLM(model=folder, dtype="float32").generate(prompts, greedy(6))
+    assert [o.token_ids for o in outs] == [ref_greedy(sd, cfg, p, 6) for p in prompts]
+
+
+@needs_cuda
+def test_gpu_async_equals_sync_with_graphs():
+    prompts = mixed_prompts(24, 4096, seed=20, lengths=(5, 60, 17, 200))
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=12, ignore_eos=True) for i in range(24)]
+    a = LLM("tiny", async_scheduling=False).generate(prompts, params)
+    b = LLM("tiny", async_scheduling=True).generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
