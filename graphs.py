@@ -83,7 +83,7 @@ class GraphRunner:
 
     def can_run(self, out) -> bool:
         """Only decode-only steps (one token per request, each sampling) that fit the largest bucket."""
-        return len(out.requests) <= self.buckets[-1] and out.is_decode and all(out.samples)
+        return len(out.requests) <= self.buckets[-1] and out.is_decode
 
     def bucket_for(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)

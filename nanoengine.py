@@ -26,11 +26,13 @@ from torch import nn
 
 import kernels
 from graphs import GraphRunner
-from scheduler import FINISHED, PLACEHOLDER, Request, SamplingParams, Scheduler
+from scheduler import FINISHED, PLACEHOLDER, RUNNING, Request, SamplingParams, Scheduler
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
 
 EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
+CPU_KV_BYTES = 512 << 20          # KV cache on the CPU: 16k blocks for `tiny`, modest for real shapes
+CUDA_HEADROOM_BYTES = 4 << 30     # kept free on CUDA for activations, logits and graphs
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -159,7 +161,7 @@ class EngineConfig:
     device: str | None = None            # None: cuda if available
     seed: int = 0                        # random preset weights, and requests without their own seed
     block_size: int = 16                 # tokens per KV block: small enough to waste little, big enough to gather
-    num_blocks: int | None = None        # None: 1024 on the CPU, from gpu_memory_utilization on CUDA
+    num_blocks: int | None = None        # None: from CPU_KV_BYTES on the CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights + KV)
     max_num_seqs: int = 256              # requests in one batch; also the largest graph bucket
     max_num_batched_tokens: int = 2048   # tokens in one step: long prompts are chunked to this
@@ -562,7 +564,48 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
 # The model runner: KV cache, batch building, forward (eager or graphed) and sampling
 
 
+class Staging:
+    """Host arrays -> device tensors in one copy per dtype. On CUDA the arrays are packed into pinned
+    buffers and copied without blocking; two buffers alternate so the host can fill one while the
+    other's copy may still be queued behind the step in flight (an event guards the reuse)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda, self.turn = device, device.type == "cuda", 0
+        self.buffers = [{}, {}]
+        self.events = [None, None]
+
+    def to_device(self, *groups: list) -> list[list[torch.Tensor]]:
+        if not self.cuda:  # zero-copy views of the numpy arrays
+            return [[torch.from_numpy(np.ascontiguousarray(a)) for a in g] for g in groups]
+        self.turn ^= 1
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()
+        result = [self._copy(g) for g in groups]
+        self.events[self.turn] = torch.cuda.Event()
+        self.events[self.turn].record()
+        return result
+
+    def _copy(self, arrays: list) -> list[torch.Tensor]:
+        dtype = arrays[0].dtype
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        buf = self.buffers[self.turn].get(dtype)
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
+                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
+            self.buffers[self.turn][dtype] = buf
+        np.concatenate([a.ravel() for a in arrays], out=buf.numpy()[:total])
+        dev = buf[:total].to(self.device, non_blocking=True)
+        return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
+
+
 class ModelRunner:
+    """Owns the KV cache and turns a SchedulerOutput into a Batch, a forward and sampled tokens.
+
+    Host work per step is what limits big batches on a fast GPU, so per-request state lives in
+    persistent rows (block table, sampling settings) that change only when a request joins or gets a
+    new block, and a decode step is built with a handful of numpy operations over those rows."""
+
     def __init__(self, model: Model, cfg: EngineConfig, num_blocks: int, max_len: int):
         mc = model.config
         self.model, self.cfg, self.device = model, cfg, torch.device(cfg.device)
@@ -574,59 +617,107 @@ class ModelRunner:
                                     mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
         self.prev_tokens, self.prev_rows = None, {}  # last step's sampled tokens, for PLACEHOLDER inputs
         self.stats = StepStats(cuda=self.device.type == "cuda")
+        # Persistent rows, one per live request (running, or preempted and coming back).
+        rows = 2 * cfg.max_num_seqs
+        self.row_of: dict[Request, int] = {}
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.table = np.zeros((rows, self.max_blocks_per_seq), dtype=np.int32)  # block table rows
+        self.row_blocks = [None] * rows   # the block list each row mirrors (identity changes on release)
+        self.row_nblocks = [0] * rows     # how much of it is copied into self.table
+        self.temperature = np.zeros(rows, dtype=np.float32)
+        self.top_k = np.zeros(rows, dtype=np.int64)
+        self.top_p = np.zeros(rows, dtype=np.float32)
+        self.seed = np.zeros(rows, dtype=np.int64)
+        self.staging = Staging(self.device)
         self.graphs = None
         if not cfg.enforce_eager:
             self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq,
                                       buckets=cfg.graph_buckets, max_num_seqs=cfg.max_num_seqs,
                                       use_cuda_graphs=self.device.type == "cuda")
 
+    # -- persistent rows ------------------------------------------------------------------------------
+    def row(self, req: Request) -> int:
+        row = self.row_of.get(req)
+        if row is None:
+            row = self._new_row(req)
+        blocks = req.block_ids
+        if self.row_blocks[row] is not blocks:  # new, or its blocks were released and taken again
+            self.row_blocks[row], self.row_nblocks[row] = blocks, 0
+        n0 = self.row_nblocks[row]
+        if n0 != len(blocks):  # only the blocks added since the last step
+            self.table[row, n0:len(blocks)] = blocks[n0:]
+            self.row_nblocks[row] = len(blocks)
+        return row
+
+    def _new_row(self, req: Request) -> int:
+        if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
+            for r in [r for r in self.row_of if r.status != RUNNING]:
+                self.release(r)
+        row = self.free_rows.pop()
+        self.row_of[req] = row
+        p = req.params
+        self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
+        self.top_k[row] = self.model.config.vocab_size if p.top_k == -1 else p.top_k
+        return row
+
+    def release(self, req: Request):
+        row = self.row_of.pop(req, None)
+        if row is not None:
+            self.row_blocks[row] = None
+            self.free_rows.append(row)
+
+    # -- one step's tensors ---------------------------------------------------------------------------
     def prepare(self, out) -> tuple[Batch, SamplingBatch, list]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
-        reqs, starts, ns, bs = out.requests, out.starts, out.num_tokens, self.block_size
-        ids, pos, slots, fills = [], [], [], []
-        for r, s, n in zip(reqs, starts, ns):
-            toks = r.token_ids[s:s + n]
-            if toks[-1] == PLACEHOLDER:  # only ever the last token: sampled by the step in flight
-                assert r in self.prev_rows, f"{r.request_id}: placeholder input not from the previous step"
-                fills.append((len(ids) + n - 1, self.prev_rows[r]))
-            ids += toks
-            p = np.arange(s, s + n)
-            pos.append(p)
-            slots.append(np.asarray(r.block_ids)[p // bs] * bs + p % bs)
-        width = max(len(r.block_ids) for r in reqs)
-        table = np.zeros((len(reqs), width), dtype=np.int32)
-        for b, r in enumerate(reqs):
-            table[b, :len(r.block_ids)] = r.block_ids
-        ends = np.cumsum(ns)
-        sampling = [r for r, smp in zip(reqs, out.samples) if smp]
-        dev = self.device
-        batch = Batch(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(np.concatenate([[0], ends]), dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(np.asarray(starts) + np.asarray(ns), dtype=torch.int32).to(dev, non_blocking=True),
-            block_table=torch.from_numpy(table).to(dev, non_blocking=True),
-            logits_indices=torch.tensor(ends[np.asarray(out.samples, dtype=bool)] - 1,
-                                        dtype=torch.int64).to(dev, non_blocking=True),
-            max_query_len=max(ns))
-        if fills:
-            dst, src = torch.tensor(fills, dtype=torch.int64).to(dev, non_blocking=True).unbind(1)
-            batch.input_ids[dst] = self.prev_tokens[src]
-        return batch, self.prepare_sampling(sampling), sampling
+        reqs, bs = out.requests, self.block_size
+        rows = np.fromiter(map(self.row, reqs), dtype=np.int64, count=len(reqs))
+        starts = np.array(out.starts, dtype=np.int64)
+        if out.is_decode:  # one token per request, each at position start: all vectorised
+            ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
+            pos, seq_lens = starts, starts + 1
+            slots = self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+            qsl = np.arange(len(reqs) + 1, dtype=np.int32)
+            sample = np.ones(len(reqs), dtype=bool)
+        else:
+            ids, pos, slots, qsl, seq_lens, sample = self._prepare_mixed(out, rows, starts)
+        sampling = [r for r, s in zip(reqs, out.samples) if s] if not out.is_decode else reqs
+        srows = rows[sample]
+        width = -(-int(seq_lens.max()) // bs)
+        logits_indices = (qsl[1:] - 1)[sample].astype(np.int64)
+        fills = np.flatnonzero(ids == PLACEHOLDER)  # inputs still on the device, from the step in flight
+        ints64, ints32, floats = self.staging.to_device(
+            [ids, pos, slots, logits_indices, self.seed[srows], seq_lens[sample].astype(np.int64),
+             self.top_k[srows]],
+            [qsl, seq_lens.astype(np.int32), self.table[rows, :width]],
+            [self.temperature[srows], self.top_p[srows]])
+        batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
+                      query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
+                      logits_indices=ints64[3], max_query_len=int((qsl[1:] - qsl[:-1]).max()))
+        if len(fills):
+            owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
+            src = [self.prev_rows[reqs[b]] for b in owners.tolist()]
+            batch.input_ids[torch.from_numpy(fills).to(self.device)] = \
+                self.prev_tokens[torch.tensor(src, device=self.device)]
+        temp = self.temperature[srows]
+        sbatch = SamplingBatch(temperature=floats[0], top_k=ints64[6], top_p=floats[1], seeds=ints64[4],
+                               counters=ints64[5], all_greedy=bool((temp == 0).all()),
+                               need_filter=bool(((self.top_k[srows] < self.model.config.vocab_size) |
+                                                 (self.top_p[srows] < 1)).any()))
+        return batch, sbatch, sampling
 
-    def prepare_sampling(self, reqs: list[Request]) -> SamplingBatch:
-        p = [r.params for r in reqs]
-        vocab = self.model.config.vocab_size
-        dev = self.device
-        return SamplingBatch(
-            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32).to(dev, non_blocking=True),
-            top_k=torch.tensor([vocab if x.top_k == -1 else x.top_k for x in p]).to(dev, non_blocking=True),
-            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32).to(dev, non_blocking=True),
-            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(dev, non_blocking=True),
-            counters=torch.tensor([len(r.token_ids) for r in reqs], dtype=torch.int64).to(dev, non_blocking=True),
-            all_greedy=all(x.temperature == 0 for x in p),
-            need_filter=any(x.top_k != -1 or x.top_p < 1 for x in p))
+    def _prepare_mixed(self, out, rows, starts):
+        """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
+        bs, ids, pos = self.block_size, [], []
+        for r, s, n in zip(out.requests, out.starts, out.num_tokens):
+            ids += r.token_ids[s:s + n]
+            pos.append(np.arange(s, s + n))
+        ns = np.array(out.num_tokens, dtype=np.int64)
+        pos = np.concatenate(pos)
+        row_of_token = np.repeat(rows, ns)
+        slots = self.table[row_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        qsl = np.concatenate([[0], np.cumsum(ns)]).astype(np.int32)
+        return (np.array(ids, dtype=np.int64), pos, slots, qsl, starts + ns,
+                np.array(out.samples, dtype=bool))
 
     @torch.inference_mode()
     def execute(self, out) -> torch.Tensor:
@@ -715,15 +806,13 @@ class Engine:
         self._ids = 0
 
     def _blocks_for_memory(self) -> int:
-        if not self.cfg.device.startswith("cuda"):
-            return 1024  # 16k tokens: plenty for tests and the CPU demo, a few MB for the tiny model
         mc = self.model.config
-        free, total = torch.cuda.mem_get_info()
-        budget = total * self.cfg.gpu_memory_utilization - (total - free)
-        # Headroom for activations, logits and graphs: a generous fixed 4 GiB on a 141 GB card.
-        budget -= 4 << 30
         per_block = 2 * mc.num_layers * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * \
             self.model.lm_head.weight.element_size()
+        if not self.cfg.device.startswith("cuda"):
+            return max(16, CPU_KV_BYTES // per_block)
+        free, total = torch.cuda.mem_get_info()
+        budget = total * self.cfg.gpu_memory_utilization - (total - free) - CUDA_HEADROOM_BYTES
         if budget < per_block:
             raise ValueError(f"gpu_memory_utilization={self.cfg.gpu_memory_utilization} leaves no room for "
                              "the KV cache after the weights; raise it or use a smaller model")
@@ -771,6 +860,7 @@ class Engine:
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
+            self.runner.release(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.inflight is not None
@@ -808,6 +898,8 @@ class Engine:
 
     def _outputs(self, out, finished: list[Request], t0: float) -> list[RequestOutput]:
         outputs = [self.output(r) for r in finished]
+        for r in finished:
+            self.runner.release(r)
         st = self.stats
         st.steps += bool(out.requests)
         st.tokens += sum(out.samples)

@@ -57,6 +57,9 @@ class Request:
     status: str = WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival: int = 0                  # FCFS order, kept through preemption
+    stop_ids: frozenset = frozenset() # eos (unless ignore_eos) and stop_token_ids: set by Scheduler.add
+    max_len: int = 0                  # token count at which it stops for length: set by Scheduler.add
+    last_step: int = -1               # the last step that scheduled it (preemption spares those)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
@@ -183,9 +186,11 @@ class SchedulerOutput:
     num_tokens: list[int]
     samples: list[bool]          # does this request's chunk reach its end (so it samples a token)?
 
+    num_decode: int = 0          # the first num_decode entries are decodes (one token, sampling)
+
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.num_tokens)
+        return self.num_decode == len(self.requests)
 
 
 class Scheduler:
@@ -201,15 +206,19 @@ class Scheduler:
                  max_model_len: int, eos_token_ids: tuple = ()):
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.max_model_len, self.eos_token_ids = max_model_len, set(eos_token_ids)
+        self.max_model_len, self.eos_token_ids = max_model_len, frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.step_id = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
 
     def add(self, req: Request):
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        req.max_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
         req.arrival = next(self._arrivals)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -219,30 +228,21 @@ class Scheduler:
 
     def _blocked(self, req: Request) -> bool:
         """A request whose last allowed token is still in flight must not compute another."""
-        return req.num_pending > 0 and (req.num_output_tokens >= req.params.max_tokens
-                                        or len(req.token_ids) >= self.max_model_len)
+        return req.num_pending > 0 and len(req.token_ids) >= req.max_len
 
     def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        self._preempted = False
         out = SchedulerOutput([], [], [], [])
-        budget, scheduled, preempted = self.max_num_batched_tokens, set(), False
-        # Decodes first, then prompt chunks: a long prompt takes what budget is left, never the decodes'.
-        todo = sorted(self.running, key=lambda r: len(r.token_ids) - r.num_computed_tokens > 1)
-        for req in todo:
+        budget = self.decode_pass(out)
+        chunks = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens > 1]
+        for req in chunks:  # prompts still being chunked (or recomputed) take what budget is left
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            if req.status != RUNNING or n <= 0 or self._blocked(req):
-                continue
-            while not self.blocks.allocate(req, n):
-                victim = self._victim(req, scheduled)
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
+            if req.status == RUNNING and n > 0 and self._grow(req, n):
                 self._add_to_step(out, req, n)
-                scheduled.add(req)
                 budget -= n
         # New requests only when nothing had to be preempted: otherwise they would take the room back.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted:
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token in flight: wait for it to land
                 break
@@ -262,10 +262,47 @@ class Scheduler:
             budget -= n
         return out
 
-    def _victim(self, req: Request, scheduled: set) -> Request:
+    def decode_pass(self, out: SchedulerOutput) -> int:
+        """Every running request with exactly one token to compute: the hot loop of a decode step, kept
+        lean because at 256 requests its per-request cost is the engine's host overhead."""
+        budget, bs, step = self.max_num_batched_tokens, self.blocks.block_size, self.step_id
+        reqs, starts = out.requests, out.starts
+        for req in list(self.running):  # a copy: preemption removes from self.running
+            nc = req.num_computed_tokens
+            if len(req.token_ids) - nc != 1 or req.status != RUNNING:
+                continue
+            if budget == 0:
+                break
+            if req.num_pending and self._blocked(req):
+                continue
+            if nc == len(req.block_ids) * bs and not self._grow(req, 1):
+                continue  # it was preempted itself
+            reqs.append(req)
+            starts.append(nc)
+            req.num_computed_tokens = nc + 1
+            req.last_step = step
+            budget -= 1
+            if (nc + 1) % bs == 0:
+                self.blocks.publish(req, nc + 1)
+        out.num_decode = len(reqs)
+        out.num_tokens = [1] * len(reqs)
+        out.samples = [True] * len(reqs)
+        return budget
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Room for n more tokens of req, preempting others (newest first) if needed; False if req itself
+        had to go."""
+        while not self.blocks.allocate(req, n):
+            victim = self._victim(req)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _victim(self, req: Request) -> Request:
         """The most recently arrived running request not already in this step; req itself if none."""
         for r in sorted(self.running, key=lambda r: r.arrival, reverse=True):
-            if r is not req and r not in scheduled:
+            if r is not req and r.last_step != self.step_id:
                 return r
         return req
 
@@ -276,9 +313,11 @@ class Scheduler:
         out.num_tokens.append(n)
         out.samples.append(start + n == len(req.token_ids))
         req.num_computed_tokens = start + n
+        req.last_step = self.step_id
         self.blocks.publish(req, start + n)
 
     def _preempt(self, req: Request):
+        self._preempted = True
         self.running.remove(req)
         self.blocks.release(req)
         req.num_computed_tokens = 0
@@ -305,34 +344,29 @@ class Scheduler:
         """Put sampled tokens in place, check stops; returns the requests that finished."""
         finished = []
         for (req, index), token in zip(slots, tokens):
-            if req.status == FINISHED or index >= len(req.token_ids):
+            ids = req.token_ids
+            if req.status == FINISHED or index >= len(ids):
                 continue  # stopped or aborted meanwhile: this token was computed for nothing, drop it
-            assert req.token_ids[index] == PLACEHOLDER, f"slot {index} of {req.request_id} already filled"
-            req.token_ids[index] = token
+            assert ids[index] == PLACEHOLDER, f"slot {index} of {req.request_id} already filled"
+            ids[index] = token
             req.num_pending -= 1
-            reason = self._stop_reason(req, index)
-            if reason:
-                del req.token_ids[index + 1:]  # tokens already launched after the stop are dropped
+            if token in req.stop_ids or index + 1 >= req.max_len:
+                del ids[index + 1:]  # tokens already launched after the stop are dropped
                 req.num_pending = 0
-                self.finish(req, reason)
+                self.finish(req, "stop" if token in req.stop_ids else "length", remove=False)
                 finished.append(req)
+        if finished:  # one pass instead of a list.remove per finished request
+            self.running = [r for r in self.running if r.status == RUNNING]
         return finished
 
     def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
         """Sync step: the same as an async launch whose tokens land at once."""
         return self.fill(self.append_placeholders(out), tokens)
 
-    def _stop_reason(self, req: Request, index: int) -> str | None:
-        token, p = req.token_ids[index], req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if index + 1 - req.num_prompt_tokens >= p.max_tokens or index + 1 >= self.max_model_len:
-            return "length"
-        return None
-
-    def finish(self, req: Request, reason: str):
+    def finish(self, req: Request, reason: str, remove: bool = True):
         if req.status == RUNNING:
-            self.running.remove(req)
+            if remove:
+                self.running.remove(req)
         elif req.status == WAITING:
             self.waiting.remove(req)
         self.blocks.release(req)
