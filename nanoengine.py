@@ -168,7 +168,8 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the model's max_position_embeddings, capped at 8192
     fuse: bool = True                    # fused weights + kernels (Triton on CUDA, torch references on the CPU)
     triton: bool | None = None           # None: Triton kernels on CUDA; True runs them on the CPU interpreter too
-    enforce_eager: bool | None = None    # None: CUDA graphs on CUDA, eager on the CPU
+    triton_linear: bool = False          # decode-sized matmuls in Triton instead of cuBLAS (see make_ops)
+    enforce_eager: bool | None = None    # None: CUDA graphs on CUDA (fused model), eager on the CPU
     graph_buckets: tuple | None = None   # None: graphs.default_buckets(max_num_seqs)
     async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
 
@@ -192,8 +193,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use float32, bfloat16 or float16")
         if self.triton is None:
             self.triton = self.device.startswith("cuda")
-        if self.enforce_eager is None:
-            self.enforce_eager = not self.device.startswith("cuda")
+        if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
+            self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,9 +203,17 @@ class EngineConfig:
 OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "fused_moe", "write_kv", "rope", "paged_attention")
 
 
-def make_ops(triton: bool) -> SimpleNamespace:
-    """The kernels the forward calls: Triton launchers, or their plain-torch references (same arguments)."""
-    return SimpleNamespace(**{name: getattr(kernels, name if triton else name + "_ref") for name in OPS})
+def make_ops(triton: bool, triton_linear: bool = False) -> SimpleNamespace:
+    """The kernels the forward calls: Triton launchers, or their plain-torch references (same arguments).
+    `linear` is cuBLAS (F.linear) unless triton_linear: then decode-sized matmuls use a Triton kernel that
+    streams the weights at closer to full bandwidth than cuBLAS manages for a few rows."""
+    ops = {name: getattr(kernels, name if triton else name + "_ref") for name in OPS}
+    ops["linear"] = kernels.linear if triton and triton_linear else F.linear
+    return SimpleNamespace(**ops)
+
+
+def linear(ops, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return ops.linear(x, layer.weight, layer.bias)
 
 
 def rope_cos_sin(cfg: ModelConfig, max_pos: int, device) -> torch.Tensor:
@@ -257,7 +266,7 @@ class Attention(nn.Module):
     def forward(self, x, batch, k_cache, v_cache, cos_sin, ops):
         T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
         if hasattr(self, "qkv_proj"):
-            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of (T, (H+2Hkv) D)
+            q, k, v = linear(ops, self.qkv_proj, x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of (T, (H+2Hkv) D)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
@@ -267,7 +276,7 @@ class Attention(nn.Module):
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                 batch.block_table, self.scale, batch.max_query_len)  # (T, H, D)
-        return self.o_proj(o.view(T, H * D))
+        return linear(ops, self.o_proj, o.view(T, H * D))
 
 
 class MLP(nn.Module):
@@ -284,7 +293,7 @@ class MLP(nn.Module):
 
     def forward(self, x, ops):
         if hasattr(self, "gate_up_proj"):
-            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, hidden)
+            return linear(ops, self.down_proj, ops.silu_and_mul(linear(ops, self.gate_up_proj, x)))  # 2I -> I -> hidden
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -306,7 +315,7 @@ class MoE(nn.Module):
         del self.experts
 
     def forward(self, x, ops):
-        probs = F.softmax(self.gate(x).float(), dim=-1)              # (T, E), float32 as HF does
+        probs = F.softmax(linear(ops, self.gate, x).float(), dim=-1)  # (T, E), float32 as HF does
         weights, ids = probs.topk(self.top_k, dim=-1)                # (T, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -362,13 +371,13 @@ class Model(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse(self, kernels: bool = True, triton: bool = False):
+    def fuse(self, kernels: bool = True, triton: bool = False, triton_linear: bool = False):
         """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed.
         kernels=True also switches to the fused kernels: Triton if triton, else their torch references."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.ops = make_ops(triton=triton and kernels)
+        self.ops = make_ops(triton=triton and kernels, triton_linear=triton_linear)
         self.graph_safe = triton and kernels  # every op a sync-free Triton launch: capturable
         return self
 
@@ -381,7 +390,7 @@ class Model(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (S, vocab): sampling wants float32
+        return linear(self.ops, self.lm_head, hidden).float()  # (S, vocab): sampling wants float32
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -482,7 +491,7 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
         load_weights(model, folder)
     model.cos_sin = rope_cos_sin(mcfg, max_model_len(cfg, mcfg), cfg.device)
     if cfg.fuse:
-        model.fuse(kernels=True, triton=cfg.triton)
+        model.fuse(kernels=True, triton=cfg.triton, triton_linear=cfg.triton_linear)
     return model.eval(), folder
 
 
@@ -622,8 +631,7 @@ class ModelRunner:
         self.row_of: dict[Request, int] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
         self.table = np.zeros((rows, self.max_blocks_per_seq), dtype=np.int32)  # block table rows
-        self.row_blocks = [None] * rows   # the block list each row mirrors (identity changes on release)
-        self.row_nblocks = [0] * rows     # how much of it is copied into self.table
+        self.row_nblocks = np.zeros(rows, dtype=np.int64)  # how many of its blocks are in self.table
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.top_p = np.zeros(rows, dtype=np.float32)
@@ -636,18 +644,20 @@ class ModelRunner:
                                       use_cuda_graphs=self.device.type == "cuda")
 
     # -- persistent rows ------------------------------------------------------------------------------
-    def row(self, req: Request) -> int:
-        row = self.row_of.get(req)
-        if row is None:
-            row = self._new_row(req)
-        blocks = req.block_ids
-        if self.row_blocks[row] is not blocks:  # new, or its blocks were released and taken again
-            self.row_blocks[row], self.row_nblocks[row] = blocks, 0
-        n0 = self.row_nblocks[row]
-        if n0 != len(blocks):  # only the blocks added since the last step
+    def rows(self, reqs: list[Request]) -> np.ndarray:
+        """Each request's row, with its block-table row brought up to date (only new blocks are copied).
+        A preempted request's row was released (its blocks went back), so it starts afresh."""
+        row_of = self.row_of
+        rows = [row_of.get(r) for r in reqs]
+        if None in rows:
+            rows = [self._new_row(r) if i is None else i for r, i in zip(reqs, rows)]
+        rows = np.array(rows, dtype=np.int64)
+        nblocks = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
+        for i in np.flatnonzero(nblocks != self.row_nblocks[rows]).tolist():
+            row, blocks, n0 = rows[i], reqs[i].block_ids, self.row_nblocks[rows[i]]
             self.table[row, n0:len(blocks)] = blocks[n0:]
             self.row_nblocks[row] = len(blocks)
-        return row
+        return rows
 
     def _new_row(self, req: Request) -> int:
         if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
@@ -655,6 +665,7 @@ class ModelRunner:
                 self.release(r)
         row = self.free_rows.pop()
         self.row_of[req] = row
+        self.row_nblocks[row] = 0
         p = req.params
         self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
         self.top_k[row] = self.model.config.vocab_size if p.top_k == -1 else p.top_k
@@ -663,14 +674,13 @@ class ModelRunner:
     def release(self, req: Request):
         row = self.row_of.pop(req, None)
         if row is not None:
-            self.row_blocks[row] = None
             self.free_rows.append(row)
 
     # -- one step's tensors ---------------------------------------------------------------------------
     def prepare(self, out) -> tuple[Batch, SamplingBatch, list]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
         reqs, bs = out.requests, self.block_size
-        rows = np.fromiter(map(self.row, reqs), dtype=np.int64, count=len(reqs))
+        rows = self.rows(reqs)
         starts = np.array(out.starts, dtype=np.int64)
         if out.is_decode:  # one token per request, each at position start: all vectorised
             ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
@@ -800,6 +810,7 @@ class Engine:
         num_blocks = cfg.num_blocks or self._blocks_for_memory()
         self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.max_model_len, mc.eos_token_ids)
+        self.scheduler.on_release = lambda req: self.runner.release(req)  # finished, aborted or preempted
         self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
@@ -860,7 +871,6 @@ class Engine:
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
-            self.runner.release(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.inflight is not None
@@ -898,8 +908,6 @@ class Engine:
 
     def _outputs(self, out, finished: list[Request], t0: float) -> list[RequestOutput]:
         outputs = [self.output(r) for r in finished]
-        for r in finished:
-            self.runner.release(r)
         st = self.stats
         st.steps += bool(out.requests)
         st.tokens += sum(out.samples)

@@ -214,6 +214,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_id = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
+        self.on_release = lambda req: None  # told when a request gives its blocks back (the runner's rows)
 
     def add(self, req: Request):
         p = req.params
@@ -320,6 +321,7 @@ class Scheduler:
         self._preempted = True
         self.running.remove(req)
         self.blocks.release(req)
+        self.on_release(req)
         req.num_computed_tokens = 0
         req.status = WAITING
         self.num_preemptions += 1
@@ -370,5 +372,6 @@ class Scheduler:
         elif req.status == WAITING:
             self.waiting.remove(req)
         self.blocks.release(req)
+        self.on_release(req)
         req.status, req.finish_reason = FINISHED, reason
         del self.requests[req.request_id]

@@ -25,10 +25,23 @@ import torch.nn.functional as F
 import kernels
 import nanoengine
 import scheduler
-from nanoengine import LLM, Engine, EngineConfig, SamplingParams
+from nanoengine import SamplingParams
 from scheduler import PLACEHOLDER
 
 CUDA = torch.cuda.is_available()
+
+
+# The engine tests pin the CPU (float32, torch references), so they mean the same on a GPU machine; the
+# GPU tests below ask for CUDA explicitly, with a small KV cache (the default takes 90% of the card).
+def Engine(**kw):
+    return nanoengine.Engine(**{"device": "cpu", **kw})
+
+
+def LLM(model="tiny", **kw):
+    return nanoengine.LLM(model, **{"device": "cpu", **kw})
+
+
+GPU = dict(device="cuda", num_blocks=2048)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -315,7 +328,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def check_clean(engine: Engine):
+def check_clean(engine):
     """Block-manager invariants once a workload is done: every block back (cached ones evictable), no
     refcount left, the scratch block never handed out, the cache's maps consistent, nothing in flight."""
     s, bm = engine.scheduler, engine.scheduler.blocks
@@ -328,7 +341,7 @@ def check_clean(engine: Engine):
     assert engine.runner.kv_cache.shape[2] == bm.num_blocks + 1  # + the scratch block
 
 
-def run(engine: Engine, prompts, params, use_async=False):
+def run(engine, prompts, params, use_async=False):
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params if isinstance(params, list) else
                                                          [params] * len(prompts))]
     done = {}
@@ -569,7 +582,7 @@ def test_bad_models_are_refused(tmp_path, ckpt_dirs):
 # ==========================================================================================================
 
 
-def _logits_for(engine: Engine, prompts):
+def _logits_for(engine, prompts):
     for p in prompts:
         engine.add_request(p, greedy(1))
     out = engine.scheduler.schedule()
@@ -599,8 +612,9 @@ def test_triton_kernels_end_to_end_equal_unfused(tmp_path):
     cfg, sd = checkpoint("qwen3_moe", seed=12)
     folder = save_checkpoint(tmp_path / "moe", cfg, sd)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]]
-    unfused = LLM(model=folder, fuse=False).generate(prompts, greedy(3))
-    llm = LLM(model=folder, fuse=True, triton=True)
+    dev = dict(device="cuda", dtype="float32", num_blocks=256) if CUDA else {}  # interpreter on the CPU
+    unfused = LLM(model=folder, fuse=False, **dev).generate(prompts, greedy(3))
+    llm = LLM(model=folder, fuse=True, triton=True, **dev)
     assert llm.engine.model.ops.paged_attention is kernels.paged_attention
     triton_out = llm.generate(prompts, greedy(3))
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in unfused]
@@ -612,7 +626,7 @@ def test_triton_kernels_end_to_end_equal_unfused(tmp_path):
 # ==========================================================================================================
 
 
-def _decode_step(engine: Engine, prompts):
+def _decode_step(engine, prompts):
     """Add prompts, run their prefill, and return the next (decode-only) step's plan and batch."""
     for p in prompts:
         engine.add_request(p, greedy(3))
@@ -622,7 +636,7 @@ def _decode_step(engine: Engine, prompts):
     return out, engine.runner.prepare(out)[0]
 
 
-def _finish(engine: Engine, out, logits):
+def _finish(engine, out, logits):
     engine.scheduler.update(out, logits.argmax(-1).tolist())
     while engine.has_unfinished():
         engine.step()
@@ -840,8 +854,8 @@ def test_cli_bad_input_is_one_line(args, msg):
 
 @needs_cuda
 def test_gpu_graphs_equal_eager_for_every_batch_size():
-    graphed = LLM("tiny", enforce_eager=False, max_num_seqs=40)
-    eager = LLM("tiny", enforce_eager=True, max_num_seqs=41)
+    graphed = nanoengine.LLM("tiny", enforce_eager=False, max_num_seqs=40, **GPU)
+    eager = nanoengine.LLM("tiny", enforce_eager=True, max_num_seqs=41, **GPU)
     buckets = graphed.engine.runner.graphs.buckets
     assert buckets == [1, 2, 4, 8, 16, 24, 32, 40] and graphed.engine.runner.graphs.use_cuda_graphs
     prompts = mixed_prompts(41, 4096, seed=16, lengths=(5, 17, 33, 2))
@@ -853,7 +867,7 @@ def test_gpu_graphs_equal_eager_for_every_batch_size():
 
 @needs_cuda
 def test_gpu_replays_allocate_nothing():
-    engine = Engine(model="tiny", enforce_eager=False, max_num_seqs=16)
+    engine = nanoengine.Engine(model="tiny", enforce_eager=False, max_num_seqs=16, **GPU)
     out, batch = _decode_step(engine, mixed_prompts(5, 4096, seed=17))
     g = engine.runner.graphs
     with torch.inference_mode():
@@ -873,7 +887,7 @@ def test_gpu_replays_allocate_nothing():
 @needs_cuda
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_gpu_fused_forward_never_syncs(preset):
-    engine = Engine(model=preset, enforce_eager=True)
+    engine = nanoengine.Engine(model=preset, enforce_eager=True, **GPU)
     for p in mixed_prompts(6, 4096, seed=19):
         engine.add_request(p, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, max_tokens=4))
     engine.step()  # a mixed step first, then decodes with prompts still arriving
@@ -896,7 +910,7 @@ def test_gpu_fused_forward_never_syncs(preset):
 def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch):
     cfg, sd, folder = ckpt_dirs[arch]
     prompts = mixed_prompts(8, cfg["vocab_size"], seed=1)
-    outs = LLM(model=folder, dtype="float32").generate(prompts, greedy(6))
+    outs = nanoengine.LLM(model=folder, dtype="float32", **GPU).generate(prompts, greedy(6))
     assert [o.token_ids for o in outs] == [ref_greedy(sd, cfg, p, 6) for p in prompts]
 
 
@@ -904,6 +918,6 @@ def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch):
 def test_gpu_async_equals_sync_with_graphs():
     prompts = mixed_prompts(24, 4096, seed=20, lengths=(5, 60, 17, 200))
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=12, ignore_eos=True) for i in range(24)]
-    a = LLM("tiny", async_scheduling=False).generate(prompts, params)
-    b = LLM("tiny", async_scheduling=True).generate(prompts, params)
+    a = nanoengine.LLM("tiny", async_scheduling=False, **GPU).generate(prompts, params)
+    b = nanoengine.LLM("tiny", async_scheduling=True, **GPU).generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
