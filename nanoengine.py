@@ -624,7 +624,8 @@ class ModelRunner:
         # rows (slot -1) write there, so they can never touch a real request's KV.
         self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
-        self.prev_tokens, self.prev_rows = None, {}  # last step's sampled tokens, for PLACEHOLDER inputs
+        # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
+        self.prev_tokens, self.prev_sampling, self._prev_rows = None, [], None
         self.stats = StepStats(cuda=self.device.type == "cuda")
         # Persistent rows, one per live request (running, or preempted and coming back).
         rows = 2 * cfg.max_num_seqs
@@ -704,10 +705,13 @@ class ModelRunner:
                       query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
                       logits_indices=ints64[3], max_query_len=int((qsl[1:] - qsl[:-1]).max()))
         if len(fills):
-            owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
-            src = [self.prev_rows[reqs[b]] for b in owners.tolist()]
-            batch.input_ids[torch.from_numpy(fills).to(self.device)] = \
-                self.prev_tokens[torch.tensor(src, device=self.device)]
+            if out.is_decode and reqs == self.prev_sampling:  # async steady state: same rows as in flight
+                src = fills
+            else:
+                owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
+                src = [self.prev_rows[reqs[b]] for b in owners.tolist()]
+            dst = torch.from_numpy(fills).to(self.device, non_blocking=True)
+            batch.input_ids[dst] = self.prev_tokens[torch.as_tensor(src, device=self.device)]
         temp = self.temperature[srows]
         sbatch = SamplingBatch(temperature=floats[0], top_k=ints64[6], top_p=floats[1], seeds=ints64[4],
                                counters=ints64[5], all_greedy=bool((temp == 0).all()),
@@ -743,8 +747,15 @@ class ModelRunner:
         tokens = sample(logits, sbatch)
         self.stats.gpu_end(start)
         self.stats.forward_s += time.perf_counter() - t0
-        self.prev_tokens, self.prev_rows = tokens, {r: i for i, r in enumerate(sampling)}
+        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
         return tokens
+
+    @property
+    def prev_rows(self) -> dict:
+        """Request -> its row in the previous step's token tensor (built only when a step needs it)."""
+        if self._prev_rows is None:
+            self._prev_rows = {r: i for i, r in enumerate(self.prev_sampling)}
+        return self._prev_rows
 
 
 class StepStats:

@@ -268,23 +268,26 @@ class Scheduler:
         lean because at 256 requests its per-request cost is the engine's host overhead."""
         budget, bs, step = self.max_num_batched_tokens, self.blocks.block_size, self.step_id
         reqs, starts = out.requests, out.starts
+        add_req, add_start = reqs.append, starts.append
         for req in list(self.running):  # a copy: preemption removes from self.running
             nc = req.num_computed_tokens
-            if len(req.token_ids) - nc != 1 or req.status != RUNNING:
+            if len(req.token_ids) - nc != 1:
                 continue
             if budget == 0:
                 break
-            if req.num_pending and self._blocked(req):
+            if (req.num_pending and len(req.token_ids) >= req.max_len) or (self._preempted and req.status != RUNNING):
+                # (the first test is _blocked, inlined: this loop runs for every request every step)
                 continue
             if nc == len(req.block_ids) * bs and not self._grow(req, 1):
                 continue  # it was preempted itself
-            reqs.append(req)
-            starts.append(nc)
-            req.num_computed_tokens = nc + 1
+            add_req(req)
+            add_start(nc)
+            nc += 1
+            req.num_computed_tokens = nc
             req.last_step = step
             budget -= 1
-            if (nc + 1) % bs == 0:
-                self.blocks.publish(req, nc + 1)
+            if nc % bs == 0:
+                self.blocks.publish(req, nc)
         out.num_decode = len(reqs)
         out.num_tokens = [1] * len(reqs)
         out.samples = [True] * len(reqs)
@@ -332,14 +335,16 @@ class Scheduler:
         self.waiting.insert(i, req)
 
     # -- after a step ---------------------------------------------------------------------------------
+    def sampling_requests(self, out: SchedulerOutput) -> list[Request]:
+        return out.requests if out.is_decode else [r for r, s in zip(out.requests, out.samples) if s]
+
     def append_placeholders(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
         """Async launch: each sampling request gets a PLACEHOLDER where its new token will go."""
         slots = []
-        for req, samples in zip(out.requests, out.samples):
-            if samples:
-                slots.append((req, len(req.token_ids)))
-                req.token_ids.append(PLACEHOLDER)
-                req.num_pending += 1
+        for req in self.sampling_requests(out):
+            slots.append((req, len(req.token_ids)))
+            req.token_ids.append(PLACEHOLDER)
+            req.num_pending += 1
         return slots
 
     def fill(self, slots: list[tuple[Request, int]], tokens: list[int]) -> list[Request]:
@@ -362,8 +367,18 @@ class Scheduler:
         return finished
 
     def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
-        """Sync step: the same as an async launch whose tokens land at once."""
-        return self.fill(self.append_placeholders(out), tokens)
+        """Sync step: append each sampling request's token and check its stops (fill() without the
+        placeholder round trip: one loop, since this runs for every request every step)."""
+        finished = []
+        for req, token in zip(self.sampling_requests(out), tokens):
+            ids = req.token_ids
+            ids.append(token)
+            if token in req.stop_ids or len(ids) >= req.max_len:
+                self.finish(req, "stop" if token in req.stop_ids else "length", remove=False)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status == RUNNING]
+        return finished
 
     def finish(self, req: Request, reason: str, remove: bool = True):
         if req.status == RUNNING:
