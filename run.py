@@ -18,7 +18,9 @@ import sys
 import time
 
 import torch
+import triton
 
+import kernels
 from nanoengine import PRESETS, Engine, EngineConfig, SamplingParams, param_bytes
 
 BANDWIDTH = 4.27e12  # bytes/s: the H200's measured device-to-device copy rate (../shared/GPU.md)
@@ -66,7 +68,7 @@ def cmd_overhead(a):
         if c not in CONFIGS:
             raise ValueError(f"--configs has {c!r}; choose from {', '.join(CONFIGS)}")
     base = dict(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.slots or a.requests,
-                num_blocks=a.num_blocks)
+                num_blocks=a.num_blocks, triton_linear=a.triton_linear)
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     header, records, reference = None, [], None
     for name in names:
@@ -100,6 +102,7 @@ def overhead_header(engine: Engine, a, device: str) -> dict:
     floor = floor_seconds(engine, a.requests, context, a.bandwidth)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests,
+                triton_linear=a.triton_linear,
                 prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {a.bandwidth / 1e12:.2f} TB/s")
 
@@ -150,7 +153,8 @@ def cmd_generate(a):
             raise ValueError(f"--prompt-ids {a.prompt_ids!r} is invalid: give comma-separated integers") from None
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)
-    engine = Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager))
+    engine = Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager,
+                                 triton_linear=a.triton_linear))
     engine.add_request(prompt, params)
     outs = []
     while engine.has_unfinished():
@@ -167,7 +171,8 @@ def cmd_bench(a):
     """nano-vllm's offline protocol: random prompt and output lengths in [min_len, max_len], ignore_eos."""
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                                 async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs))
+                                 async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
+                                 triton_linear=a.triton_linear))
     rng = random.Random(a.seed)
     vocab = engine.model.config.vocab_size
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(a.min_len, a.max_len))],
@@ -219,7 +224,7 @@ def cmd_profile(a):
         if name not in CONFIGS:
             raise ValueError(f"--configs has {name!r}; choose from {', '.join(CONFIGS)}")
         engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
-                                     **CONFIGS[name]))
+                                     triton_linear=a.triton_linear, **CONFIGS[name]))
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=a.steps + 20, ignore_eos=True))
@@ -263,8 +268,154 @@ def trace_summary(path: str, steps: int, cuda: bool) -> dict:
                 span_ms_per_step=round(span / steps / 1e3, 3))
 
 
+
+# ----------------------------------------------------------------------------------------------------------
+# run.py kernels: each Triton kernel against its torch reference and its bandwidth floor (CUDA only).
+# Times come from CUDA-graph replay of back-to-back calls (triton.testing.do_bench_cudagraph), so launch
+# overhead is excluded and inputs smaller than the 60 MB L2 stay cached: small shapes can pass 100%.
+# Functions that synchronise with the host cannot be captured and are timed eagerly with CUDA events.
+
+KERNEL_GROUPS = ("elementwise", "moe", "attention", "linear")
+REP_MS = 20  # timed replay per measurement; ~60 measurements keep the run well under a minute
+PAGE_SIZE = 16  # the engine's KV page size
+QWEN3_0_6B = dict(hidden=1024, inter=3072, heads=16, kv_heads=8, head_dim=128)
+QWEN3_30B_A3B_MOE = dict(hidden=2048, moe_inter=768, experts=128, top_k=8)
+TOKENS = (1, 16, 256)
+MOE_TOKENS = (1, 16, 64, 256)
+DECODE_BATCHES = (1, 16, 64)
+DECODE_CONTEXTS = (128, 1024, 8192)
+BF16 = torch.bfloat16
+BYTES = 2  # per bf16 element
+
+
+def _time_us(fn, graph: bool = True) -> float:
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=5, rep=REP_MS, return_mode="median") * 1e3
+
+
+def _report(out_lines, kernel: str, shape: dict, fn, ref_fn, floor_bytes: float, ref_graph=True, **extra):
+    us = _time_us(fn)
+    floor_us = floor_bytes / BANDWIDTH * 1e6
+    row = dict(kernel=kernel, **shape, us=round(us, 2), ref_us=round(_time_us(ref_fn, ref_graph), 2),
+               floor_us=round(floor_us, 2), pct_of_bw=round(100 * floor_us / us, 1),
+               timing="cuda_graph", ref_timing="cuda_graph" if ref_graph else "events", **extra)
+    if "loop_us" in extra:
+        row["x_vs_loop"] = round(extra["loop_us"] / us, 1)  # speed-up over the per-expert torch loop
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out_lines is not None:
+        out_lines.append(line)
+
+
+def _bench_elementwise(out_lines, t: int) -> None:
+    hidden, inter = QWEN3_0_6B["hidden"], QWEN3_0_6B["inter"]
+    h, hkv, d = QWEN3_0_6B["heads"], QWEN3_0_6B["kv_heads"], QWEN3_0_6B["head_dim"]
+    dev = "cuda"
+    x, w = torch.randn(t, hidden, device=dev, dtype=BF16), torch.randn(hidden, device=dev, dtype=BF16)
+    res = torch.randn(t, hidden, device=dev, dtype=BF16)
+    shape = dict(tokens=t)
+    _report(out_lines, "rmsnorm", shape, lambda: kernels.rmsnorm(x, w, 1e-6),
+            lambda: kernels.rmsnorm_ref(x, w, 1e-6), 2 * t * hidden * BYTES)
+    _report(out_lines, "add_rmsnorm", shape, lambda: kernels.add_rmsnorm(x, res, w, 1e-6),
+            lambda: kernels.add_rmsnorm_ref(x, res, w, 1e-6), 4 * t * hidden * BYTES)
+    gu = torch.randn(t, 2 * inter, device=dev, dtype=BF16)
+    _report(out_lines, "silu_and_mul", shape, lambda: kernels.silu_and_mul(gu),
+            lambda: kernels.silu_and_mul_ref(gu), 3 * t * inter * BYTES)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, device=dev, dtype=BF16)
+    q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+    angles = torch.rand(4096, d // 2, device=dev) * 6.28
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)  # a true rotation: values stay bounded
+    positions = torch.randint(0, 4096, (t,), device=dev)
+    qn, kn = torch.ones(d, device=dev, dtype=BF16), torch.ones(d, device=dev, dtype=BF16)
+    _report(out_lines, "rope_qk_norm", shape, lambda: kernels.rope(q, k, positions, cos_sin, qn, kn),
+            lambda: kernels.rope_ref(q, k, positions, cos_sin, qn, kn),
+            2 * t * (h + hkv) * d * BYTES + t * d * 4)
+    num_blocks = triton.cdiv(4 * t, PAGE_SIZE) + 1
+    k_cache = torch.zeros(num_blocks, PAGE_SIZE, hkv, d, device=dev, dtype=BF16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm((num_blocks - 1) * PAGE_SIZE, device=dev)[:t]
+    _report(out_lines, "write_kv", shape, lambda: kernels.write_kv(k, v, k_cache, v_cache, slots),
+            lambda: kernels.write_kv_ref(k, v, k_cache, v_cache, slots), 4 * t * hkv * d * BYTES)
+
+
+def _moe_loop(x, gate_up, down, topk_weights, topk_ids):
+    """The obvious torch MoE: for each expert, find its tokens, run its MLP, scatter-add the result."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(gate_up.shape[0]):
+        token, slot = torch.where(topk_ids == e)
+        if token.numel() == 0:
+            continue
+        gate, up = (x[token] @ gate_up[e].t()).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ down[e].t()
+        out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def _bench_moe(out_lines, n: int, weights) -> None:
+    d, inter, e, top_k = (QWEN3_30B_A3B_MOE[k] for k in ("hidden", "moe_inter", "experts", "top_k"))
+    gate_up, down = weights
+    x = torch.randn(n, d, device="cuda", dtype=BF16)
+    scores = torch.randn(n, e, device="cuda")
+    topk_weights, topk_ids = torch.topk(torch.softmax(scores, dim=-1), top_k, dim=-1)
+    touched = topk_ids.unique().numel()  # on the host, outside the timing
+    floor_bytes = touched * 3 * inter * d * BYTES + 2 * n * d * BYTES
+    args = (x, gate_up, down, topk_weights, topk_ids)
+    loop_us = _time_us(lambda: _moe_loop(*args), graph=False)
+    _report(out_lines, "fused_moe", dict(tokens=n, experts_touched=touched),
+            lambda: kernels.fused_moe(*args), lambda: kernels.fused_moe_ref(*args), floor_bytes,
+            ref_graph=False, loop_us=round(loop_us, 2))
+
+
+def _bench_decode_attention(out_lines, b: int, ctx: int, width: int = 0) -> None:
+    """width: block-table columns, as in a CUDA graph (sized for the longest context); 0 = just enough."""
+    h, hkv, d = QWEN3_0_6B["heads"], QWEN3_0_6B["kv_heads"], QWEN3_0_6B["head_dim"]
+    blocks_per_seq = triton.cdiv(ctx, PAGE_SIZE)
+    num_blocks = b * blocks_per_seq + 1
+    k_cache = torch.randn(num_blocks, PAGE_SIZE, hkv, d, device="cuda", dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(num_blocks - 1, device="cuda")[: b * blocks_per_seq].view(b, -1).int()
+    if width > blocks_per_seq:
+        block_table = torch.nn.functional.pad(block_table, (0, width - blocks_per_seq))
+    q = torch.randn(b, h, d, device="cuda", dtype=BF16)
+    qsl = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    args = (q, k_cache, v_cache, qsl, seq_lens, block_table, d**-0.5, 1)
+    floor_bytes = 2 * b * ctx * hkv * d * BYTES + 2 * b * h * d * BYTES
+    _report(out_lines, "paged_attention_decode", dict(batch=b, context=ctx, table_blocks=block_table.shape[1]),
+            lambda: kernels.paged_attention(*args), lambda: kernels.paged_attention_ref(*args), floor_bytes)
+
+
+def bench_kernels(groups=KERNEL_GROUPS, out_lines: list | None = None) -> None:
+    """Print (and append to out_lines, if given) one JSON line per kernel and shape."""
+    if not torch.cuda.is_available():
+        raise ValueError("run.py kernels needs a CUDA device")
+    torch.manual_seed(0)
+    if "elementwise" in groups:
+        for t in TOKENS:
+            _bench_elementwise(out_lines, t)
+    if "moe" in groups:
+        d, inter, e = (QWEN3_30B_A3B_MOE[k] for k in ("hidden", "moe_inter", "experts"))
+        weights = (torch.randn(e, 2 * inter, d, device="cuda", dtype=BF16) * d**-0.5,  # gate_up [E, 2I, D]
+                   torch.randn(e, d, inter, device="cuda", dtype=BF16) * inter**-0.5)  # down [E, D, I]
+        for n in MOE_TOKENS:
+            _bench_moe(out_lines, n, weights)
+        del weights
+    if "attention" in groups:
+        for b in DECODE_BATCHES:
+            for ctx in DECODE_CONTEXTS:
+                _bench_decode_attention(out_lines, b, ctx)
+        for b in (1, 16):  # as the graphs run it: the table is as wide as max_model_len (8192 tokens)
+            _bench_decode_attention(out_lines, b, 128, width=8192 // PAGE_SIZE)
+
+
 def cmd_kernels(a):
-    bench_kernels()
+    groups = a.only.split(",") if a.only else KERNEL_GROUPS
+    for g in groups:
+        if g not in KERNEL_GROUPS:
+            raise ValueError(f"--only has {g!r}; choose from {', '.join(KERNEL_GROUPS)}")
+    bench_kernels(groups)
 
 
 class Parser(argparse.ArgumentParser):
@@ -289,6 +440,7 @@ def parse_args(argv=None):
     common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="bytes/s for the floor")
+    common.add_argument("--triton-linear", action="store_true", help="decode-sized matmuls in Triton, not cuBLAS")
     g = sub.add_parser("generate", parents=[common], help="generate from one prompt")
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
@@ -318,7 +470,8 @@ def parse_args(argv=None):
     r.add_argument("--steps", type=positive, default=10)
     r.add_argument("--configs", default=None)
     r.add_argument("--out", default="traces")
-    sub.add_parser("kernels", parents=[common], help="Triton kernels vs torch references (CUDA)")
+    k = sub.add_parser("kernels", parents=[common], help="Triton kernels vs torch references (CUDA)")
+    k.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(KERNEL_GROUPS)}")
     return p.parse_args(argv)
 
 
