@@ -921,3 +921,363 @@ def test_gpu_async_equals_sync_with_graphs():
     a = nanoengine.LLM("tiny", async_scheduling=False, **GPU).generate(prompts, params)
     b = nanoengine.LLM("tiny", async_scheduling=True, **GPU).generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+# ==========================================================================================================
+# Kernels: every Triton launcher against its plain-torch _ref. Tiny float32 shapes with tight tolerances
+# (on the CPU they run in the Triton interpreter, which costs milliseconds per program; with CUDA on the
+# GPU, where tl.dot takes float32 exactly); with CUDA also bf16 at Qwen3 shapes and a no-host-sync check.
+# ==========================================================================================================
+
+# The small float32 tests run on the GPU when there is one (real compilation, same edge cases), else on
+# the CPU under the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# float32: kernels and refs differ only in summation order (and GPU rsqrt/exp2 approximations).
+F32_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed: int, device=DEVICE, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed)).to(device=device, dtype=dtype)
+
+
+def _qkv_views(t: int, h: int, hkv: int, d: int, seed: int, device=DEVICE, dtype=torch.float32):
+    """q, k, v as strided views of one [T, (H + 2 Hkv) D] matmul output, as the model produces them."""
+    qkv = _randn(t, (h + 2 * hkv) * d, seed=seed, device=device, dtype=dtype)
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+    return qkv, q, k, v
+
+
+def _routing(n: int, top_k: int, num_experts: int, seed: int, device=DEVICE, only=None):
+    """Distinct experts per token; `only` restricts routing to the first `only` experts (others get none)."""
+    g = _gen(seed)
+    pool = only or num_experts
+    ids = torch.stack([torch.randperm(pool, generator=g)[:top_k] for _ in range(n)])
+    weights = torch.rand(n, top_k, generator=g)
+    return weights.to(device), ids.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Norms, activation
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 16), (7, 100), (33, 64)])
+def test_kernel_rmsnorm_rows(rows, dim):
+    x, w = _randn(rows, dim, seed=1), _randn(dim, seed=2)
+    torch.testing.assert_close(kernels.rmsnorm(x, w, 1e-6), kernels.rmsnorm_ref(x, w, 1e-6), **F32_TOL)
+
+
+@pytest.mark.parametrize("min_programs", [256, 2])  # 2: several rows per program, a partial last one
+def test_kernel_rmsnorm_per_head_strided_view(monkeypatch, min_programs):
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", min_programs)
+    _, q, _, _ = _qkv_views(5, 6, 2, 32, seed=3)  # q rows are not contiguous across tokens
+    w = _randn(32, seed=4)
+    out = kernels.rmsnorm(q, w, 1e-6)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, kernels.rmsnorm_ref(q, w, 1e-6), **F32_TOL)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 48), (9, 100)])
+@pytest.mark.parametrize("min_programs", [256, 2])
+def test_kernel_add_rmsnorm_in_place(monkeypatch, rows, dim, min_programs):
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", min_programs)
+    x, res, w = _randn(rows, dim, seed=5), _randn(rows, dim, seed=6), _randn(dim, seed=7)
+    res_ref = res.clone()
+    out, new_res = kernels.add_rmsnorm(x, res, w, 1e-6)
+    out_ref, new_res_ref = kernels.add_rmsnorm_ref(x, res_ref, w, 1e-6)
+    assert new_res.data_ptr() == res.data_ptr(), "the sum must be written into residual's storage"
+    torch.testing.assert_close(new_res, x + _randn(rows, dim, seed=6), **F32_TOL)
+    torch.testing.assert_close(new_res, new_res_ref, **F32_TOL)
+    torch.testing.assert_close(out, out_ref, **F32_TOL)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 24), (5, 1100)])  # 1100 > one 1024-wide block
+def test_kernel_silu_and_mul(rows, inter):
+    x = _randn(rows, 2 * inter + 8, seed=8)[:, : 2 * inter]  # strided rows
+    out = kernels.silu_and_mul(x)
+    assert out.shape == (rows, inter)
+    torch.testing.assert_close(out, kernels.silu_and_mul_ref(x), **F32_TOL)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_moe_align_invariants(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded):
+    n_assign = topk_ids.numel()
+    flat = topk_ids.reshape(-1).long().cpu()
+    sorted_ids, block_expert = sorted_ids.cpu().long(), block_expert.cpu().long()
+    used = int(num_padded.cpu()[0])
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted_ids.shape[0] == kernels.moe_max_padded(n_assign, num_experts, block_m)
+    assert block_expert.shape[0] == sorted_ids.shape[0] // block_m
+    real = sorted_ids[sorted_ids < n_assign]
+    assert torch.equal(real.sort().values, torch.arange(n_assign)), "each assignment exactly once"
+    assert bool((sorted_ids[used:] == n_assign).all()), "slots past num_padded are padding"
+    for blk in range(used // block_m):
+        ids = sorted_ids[blk * block_m : (blk + 1) * block_m]
+        ids = ids[ids < n_assign]
+        assert bool((flat[ids] == block_expert[blk]).all()), f"block {blk} mixes experts"
+    # Each expert's blocks: exactly ceil(count / block_m) of them, so zero-token experts get none.
+    blocks_per_expert = torch.bincount(block_expert[: used // block_m], minlength=num_experts)
+    assert torch.equal(blocks_per_expert, (counts + block_m - 1) // block_m)
+
+
+def _moe_canonical(sorted_ids, block_expert, block_m):
+    """sorted_ids with each expert's group sorted: the order inside a group is unspecified."""
+    expert_of_slot = block_expert.long().repeat_interleave(block_m)
+    return (expert_of_slot * (2**32) + sorted_ids.long()).sort().values
+
+
+@pytest.mark.parametrize("n,top_k,num_experts,block_m,only", [
+    (1, 1, 4, 16, None),  # single token, top-1
+    (1, 8, 16, 16, None),  # single token, top-8
+    (5, 2, 8, 4, 3),  # experts 3..7 get no tokens
+    (13, 8, 9, 16, None),  # not a multiple of anything
+    (40, 4, 128, 16, 20),  # many experts, most empty
+])
+def test_kernel_moe_align(n, top_k, num_experts, block_m, only):
+    _, ids = _routing(n, top_k, num_experts, seed=9, only=only)
+    got = kernels.moe_align(ids, num_experts, block_m)
+    want = kernels.moe_align_ref(ids, num_experts, block_m)
+    _check_moe_align_invariants(ids, num_experts, block_m, *got)
+    _check_moe_align_invariants(ids, num_experts, block_m, *want)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert torch.equal(_moe_canonical(got[0], got[1], block_m), _moe_canonical(want[0], want[1], block_m))
+    _, other_ids = _routing(n, top_k, num_experts, seed=10)
+    other = kernels.moe_align(other_ids, num_experts, block_m)
+    assert [t.shape for t in other] == [t.shape for t in got], "shapes must not depend on routing"
+
+
+@pytest.mark.parametrize("n,top_k,num_experts,d,inter,only", [
+    (1, 1, 4, 32, 24, None),  # single token, top-1
+    (3, 8, 10, 40, 40, None),  # top-8
+    (6, 2, 8, 48, 72, 3),  # experts with no tokens
+    (24, 2, 4, 24, 16, None),  # 12 tokens per expert: BLOCK_M 32
+    (70, 4, 4, 16, 20, None),  # 70 tokens per expert: BLOCK_M 64
+])
+def test_kernel_fused_moe(n, top_k, num_experts, d, inter, only):
+    x = _randn(n, d, seed=11)
+    gate_up = _randn(num_experts, 2 * inter, d, seed=12) / d**0.5
+    down = _randn(num_experts, d, inter, seed=13) / inter**0.5
+    weights, ids = _routing(n, top_k, num_experts, seed=14, only=only)
+    out = kernels.fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(out, kernels.fused_moe_ref(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache, RoPE
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_kernel_write_kv_padding_goes_to_scratch():
+    num_blocks, page, hkv, d = 5, 4, 2, 32  # block 4 is the scratch block
+    _, _, k, v = _qkv_views(6, 4, hkv, d, seed=15)  # strided views
+    slots = torch.tensor([0, 7, -1, 13, -1, 2], device=DEVICE)
+    real = slots >= 0
+    k_cache = _randn(num_blocks, page, hkv, d, seed=16)  # garbage that must survive outside the slots
+    v_cache = _randn(num_blocks, page, hkv, d, seed=17)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    kernels.write_kv_ref(k, v, ref_k, ref_v, slots)
+    real_slots = (num_blocks - 1) * page
+    for cache, ref, expect, new in ((k_cache, ref_k, expect_k, k), (v_cache, ref_v, expect_v, v)):
+        expect.view(-1, hkv, d)[slots[real]] = new[real]
+        for full in (cache, ref):  # real blocks: exactly the real rows' slots changed
+            assert torch.equal(full.view(-1, hkv, d)[:real_slots], expect.view(-1, hkv, d)[:real_slots])
+            assert any(torch.equal(full[-1, 0], new[i]) for i in (2, 4)), "padding rows land in scratch"
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("t,h,hkv,d", [(1, 4, 2, 16), (5, 6, 2, 32)])  # 6 heads: not a power of two
+def test_kernel_rope(with_norm, t, h, hkv, d):
+    qkv, q, k, _ = _qkv_views(t, h, hkv, d, seed=18)
+    qkv_ref, q_ref, k_ref, _ = _qkv_views(t, h, hkv, d, seed=18)
+    positions = torch.randint(0, 64, (t,), generator=_gen(19)).to(DEVICE)
+    cos_sin = _randn(64, d, seed=20)
+    norms = (_randn(d, seed=21), _randn(d, seed=22)) if with_norm else (None, None)
+    kernels.rope(q, k, positions, cos_sin, *norms, eps=1e-6)
+    kernels.rope_ref(q_ref, k_ref, positions, cos_sin, *norms, eps=1e-6)
+    torch.testing.assert_close(qkv, qkv_ref, **F32_TOL)  # also proves v was left alone
+    assert torch.equal(qkv[:, (h + hkv) * d :], _randn(t, (h + 2 * hkv) * d, seed=18)[:, (h + hkv) * d :])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------------------------------
+
+
+def _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed, device=DEVICE, dtype=torch.float32):
+    """A batch whose caches hold NaN everywhere a request may not look: past each seq_len, unused pages,
+    so any unmasked load shows up as NaN in the output."""
+    b = len(q_lens)
+    num_blocks = b * max_blocks + 1  # + the scratch block
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    g = _gen(seed)
+    block_table = torch.randperm(num_blocks - 1, generator=g)[: b * max_blocks].view(b, max_blocks).int()
+    for r, seq_len in enumerate(seq_lens):
+        pos = torch.arange(seq_len)
+        blk, off = block_table[r, pos // page].long().to(device), (pos % page).to(device)
+        k_cache[blk, off] = torch.randn(seq_len, hkv, d, generator=g).to(device, dtype)
+        v_cache[blk, off] = torch.randn(seq_len, hkv, d, generator=g).to(device, dtype)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), h, d, generator=g).to(device, dtype)
+    tensors = (k_cache, v_cache, qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
+               block_table.to(device))
+    return q, tensors
+
+
+def _check_attention(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed, num_splits=None):
+    q, (k_cache, v_cache, qsl, sl, bt) = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed)
+    scale, max_q = d**-0.5, max(q_lens)
+    out = kernels.paged_attention(q, k_cache, v_cache, qsl, sl, bt, scale, max_q, num_splits=num_splits)
+    ref = kernels.paged_attention_ref(q, k_cache, v_cache, qsl, sl, bt, scale, max_q)
+    assert not out.isnan().any() and not ref.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_kernel_paged_attention_mixed_batch(num_splits):
+    # prefill from scratch, chunked prefill on a context, decode, padding row (seq_len 0), decode
+    q_lens, seq_lens = [5, 3, 1, 1, 1], [5, 70, 19, 0, 130]
+    out = _check_attention(q_lens, seq_lens, h=4, hkv=2, d=32, page=4, max_blocks=34, seed=23,
+                           num_splits=num_splits)
+    assert out[9].abs().max() == 0, "the seq_len-0 request must produce zeros"
+
+
+@pytest.mark.parametrize("h,hkv,d,page", [(4, 4, 16, 8), (8, 2, 16, 16), (3, 1, 64, 4)])
+def test_kernel_paged_attention_prefill_tiles(h, hkv, d, page):
+    # 37 new tokens span several query tiles (BLOCK_Q = 64 / GROUP_PAD), with a context before them.
+    _check_attention([37, 2], [45, 2], h, hkv, d, page, max_blocks=48 // page, seed=24)
+
+
+def test_kernel_paged_attention_decode_splits():
+    _check_attention([1], [33], h=2, hkv=1, d=32, page=16, max_blocks=20, seed=25)  # a single token
+    # Long block table, one request, one kv head: the default picks splits only on GPUs, so force them.
+    for splits in (2, 7):
+        _check_attention([1, 1], [300, 5], h=2, hkv=1, d=32, page=16, max_blocks=20, seed=25, num_splits=splits)
+
+
+def test_kernel_paged_attention_all_padding():
+    out = _check_attention([1, 1], [0, 0], h=2, hkv=1, d=16, page=4, max_blocks=3, seed=26, num_splits=2)
+    assert out.abs().max() == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: bf16 at Qwen3 shapes, and no host sync
+# ---------------------------------------------------------------------------------------------------
+
+GPU = torch.device("cuda")
+BF16 = torch.bfloat16
+# bf16 keeps 8 mantissa bits (~4e-3 relative); kernels round once at the end, refs in places more often.
+BF16_ELEMENTWISE_TOL = dict(atol=2e-2, rtol=2e-2)
+# Matmuls and attention sum thousands of bf16 products; bf16 inputs to tl.dot add per-tile rounding.
+BF16_GEMM_TOL = dict(atol=3e-2, rtol=3e-2)
+
+
+@needs_cuda
+def test_kernel_gpu_elementwise_bf16():
+    t, h, hkv, d, hidden, inter = 256, 16, 8, 128, 1024, 3072
+    x, w = _randn(t, hidden, seed=30, device=GPU, dtype=BF16), _randn(hidden, seed=31, device=GPU, dtype=BF16)
+    torch.testing.assert_close(kernels.rmsnorm(x, w, 1e-6), kernels.rmsnorm_ref(x, w, 1e-6),
+                               **BF16_ELEMENTWISE_TOL)
+    res = _randn(t, hidden, seed=32, device=GPU, dtype=BF16)
+    out, new_res = kernels.add_rmsnorm(x, res.clone(), w, 1e-6)
+    out_ref, new_res_ref = kernels.add_rmsnorm_ref(x, res.clone(), w, 1e-6)
+    torch.testing.assert_close(out, out_ref, **BF16_ELEMENTWISE_TOL)
+    torch.testing.assert_close(new_res, new_res_ref, atol=0, rtol=0)
+    gu = _randn(t, 2 * inter, seed=33, device=GPU, dtype=BF16)
+    torch.testing.assert_close(kernels.silu_and_mul(gu), kernels.silu_and_mul_ref(gu), **BF16_ELEMENTWISE_TOL)
+    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=34, device=GPU, dtype=BF16)
+    qkv_ref, q_ref, k_ref, _ = _qkv_views(t, h, hkv, d, seed=34, device=GPU, dtype=BF16)
+    positions = torch.randint(0, 4096, (t,), device=GPU)
+    cos_sin = _randn(4096, d, seed=35, device=GPU)
+    norms = (_randn(d, seed=36, device=GPU, dtype=BF16), _randn(d, seed=37, device=GPU, dtype=BF16))
+    kernels.rope(q, k, positions, cos_sin, *norms)
+    kernels.rope_ref(q_ref, k_ref, positions, cos_sin, *norms)
+    torch.testing.assert_close(qkv, qkv_ref, **BF16_ELEMENTWISE_TOL)
+    k_cache = torch.full((65, 16, hkv, d), float("nan"), device=GPU, dtype=BF16)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(64 * 16, device=GPU)[:t]
+    slots[::7] = -1
+    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    real = slots >= 0
+    assert torch.equal(k_cache.view(-1, hkv, d)[slots[real]], k[real])
+    assert torch.equal(v_cache.view(-1, hkv, d)[slots[real]], v[real])
+    assert k_cache[:64].isnan().sum() == (64 * 16 - int(real.sum())) * hkv * d, "only the real slots change"
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 64, 300, 2100, 4200])  # 4200 x 8 assignments: the torch moe_align path
+def test_kernel_gpu_fused_moe_bf16(n):
+    num_experts, d, inter, top_k = 128, 2048, 768, 8
+    x = _randn(n, d, seed=40, device=GPU, dtype=BF16)
+    gate_up = (_randn(num_experts, 2 * inter, d, seed=41, device=GPU) / d**0.5).to(BF16)
+    down = (_randn(num_experts, d, inter, seed=42, device=GPU) / inter**0.5).to(BF16)
+    weights, ids = _routing(n, top_k, num_experts, seed=43, device=GPU)
+    align = kernels.moe_align(ids, num_experts, 16)
+    _check_moe_align_invariants(ids, num_experts, 16, *align)
+    out = kernels.fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(out, kernels.fused_moe_ref(x, gate_up, down, weights, ids), **BF16_GEMM_TOL)
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_lens,seq_lens,num_splits", [
+    ([1] * 4, [8000, 1, 0, 555], None),  # decode, few programs: splits chosen from the SM count
+    ([300, 1, 17, 1], [300, 4000, 1000, 0], None),  # mixed prefill / decode / padding
+    ([1, 1], [3000, 70], 5),
+])
+def test_kernel_gpu_paged_attention_bf16(q_lens, seq_lens, num_splits):
+    h, hkv, d, page = 16, 8, 128, 16
+    max_blocks = -(-max(seq_lens) // page) + 1
+    q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed=44, device=GPU, dtype=BF16)
+    out = kernels.paged_attention(q, *tensors, d**-0.5, max(q_lens), num_splits=num_splits)
+    ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
+
+
+@needs_cuda
+def test_kernel_gpu_no_host_sync():
+    t, h, hkv, d = 16, 16, 8, 128
+    x, w = _randn(t, 1024, seed=50, device=GPU, dtype=BF16), _randn(1024, seed=51, device=GPU, dtype=BF16)
+    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=52, device=GPU, dtype=BF16)
+    positions = torch.arange(t, device=GPU)
+    cos_sin = _randn(64, d, seed=53, device=GPU)
+    gate_up = _randn(128, 2 * 768, 1024, seed=54, device=GPU, dtype=BF16)
+    down = _randn(128, 1024, 768, seed=55, device=GPU, dtype=BF16)
+    weights, ids = _routing(t, 8, 128, seed=56, device=GPU)
+    _, big_ids = _routing(4200, 8, 128, seed=57, device=GPU)
+    q_att, tensors = _attention_case([1] * t, [100] * t, h, hkv, d, 16, 8, seed=58, device=GPU, dtype=BF16)
+    q_pre, tensors_pre = _attention_case([20, 1], [40, 9], h, hkv, d, 16, 4, seed=59, device=GPU, dtype=BF16)
+    residual = x.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.rmsnorm(x, w, 1e-6)
+        kernels.add_rmsnorm(x, residual, w, 1e-6)
+        kernels.silu_and_mul(qkv)
+        kernels.rope(q, k, positions, cos_sin, w[:d], w[:d])
+        kernels.write_kv(k, v, tensors[0], tensors[1], positions)
+        kernels.moe_align(ids, 128, 16)
+        kernels.moe_align(big_ids, 128, 64)  # above the kernel threshold: the torch path
+        kernels.moe_align_ref(ids, 128, 16)
+        kernels.fused_moe(x, gate_up, down, weights, ids)
+        kernels.paged_attention(q_att, *tensors, d**-0.5, 1)  # splits chosen automatically
+        kernels.paged_attention(q_att, *tensors, d**-0.5, 1, num_splits=4)
+        kernels.paged_attention(q_pre, *tensors_pre, d**-0.5, 20)
+        kernels.paged_attention_ref(q_pre, *tensors_pre, d**-0.5, 20)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

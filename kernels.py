@@ -1,0 +1,1066 @@
+"""Triton kernels for nanoengine, each beside a plain-torch reference.
+
+Every kernel comes as three pieces with the same arguments:
+  _name_kernel  the Triton program;
+  name()        the launcher: checks inputs, picks block sizes from host-side sizes only, launches;
+  name_ref()    plain torch, the CPU path of the engine and what the tests compare against.
+
+Rules every launcher keeps:
+  * no host sync (no .item(), .tolist(), nonzero, bincount, boolean masks; no grid computed from device
+    values), so each launch can be captured in a CUDA graph and replayed with new batch contents;
+  * loads are upcast to float32 before any arithmetic and results are cast back once, at the store;
+  * pointer offsets that can pass 2**31 (cache slots, expert weights) are computed in int64.
+
+This file imports nothing from the rest of nanoengine. Tests: test_kernels_part.py
+(on a CPU run them with TRITON_INTERPRET=1).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# tl.dot needs every dimension of its tiles to be at least 16.
+MIN_DOT = 16
+# Row kernels (norms): at most this many elements per program; 4096 bf16 = 8 KB keeps loads wide ...
+ELEMENTS_PER_PROGRAM = 4096
+# ... but short rows are packed only while the grid keeps about two programs per SM of an H200 (132 SMs).
+MIN_PROGRAMS = 256
+# moe_align: the single-program Triton kernel walks the assignments in chunks of 1024, so its time grows
+# with their number (H200: 2.4 us at 8, 46 us at 16384, against ~125 us for torch's sort at 8K-32K); past
+# this many it is expected to lose to the parallel sort of the torch path. Both are sync-free.
+MOE_ALIGN_KERNEL_MAX_ASSIGNMENTS = 32768
+# Paged attention: keys per tile (a tile spans several paged blocks, gathered token by token).
+ATTN_BLOCK_N = 64
+# Paged attention: query rows (query tokens x heads of one kv group) per program at prefill.
+ATTN_PREFILL_BLOCK_M = 64
+# Split-KV: aim for this many programs per SM so decode at small batch still fills the GPU; a decode
+# program uses ~40 KB of shared memory, so several run on an SM at once. 4 measured best on an H200
+# (batch 1-16, contexts 1K-8K) against 2 and 8 ...
+ATTN_PROGRAMS_PER_SM = 4
+# ... with at least one key tile per split, and never more splits than this (the merge kernel loads
+# all splits of a row at once).
+ATTN_MAX_SPLITS = 64
+# Stands in for -inf as the running max: exp2(m_old - m_new) stays finite (no inf - inf = NaN) even for
+# query rows that see no key at all (padding requests with seq_len 0). A constexpr so kernels may read it.
+NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E = 1.4426950408889634
+
+
+def _next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _elementwise_warps(block_elements: int) -> int:
+    # One warp moves 32 x 16 B per instruction; more warps only help once the tile is large.
+    return 4 if block_elements <= 2048 else 8
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: exact products ("ieee"), so float32 runs match the references tightly; tl.dot's
+    # default would round them to tf32 on the GPU. Other dtypes ignore it; "tf32" is the default.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,  # [N0, N1, D], strided rows
+    weight_ptr,  # [D]
+    out_ptr,  # [N0 * N1, D] contiguous
+    num_rows,  # N0 * N1
+    rows_inner,  # N1 (heads when x is a per-head view)
+    stride_x0,
+    stride_x1,
+    dim,  # D
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    col_ok = cols < dim
+    mask = row_ok[:, None] & col_ok[None, :]
+    x_row = (rows // rows_inner).to(tl.int64) * stride_x0 + (rows % rows_inner) * stride_x1
+    x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
+    y = x * inv_rms[:, None] * w[None, :]
+    out_row = rows.to(tl.int64) * dim
+    tl.store(out_ptr + out_row[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_per_program(num_rows: int, block_d: int) -> int:
+    # Short rows (per-head norm, D=128) are packed several to a program so each moves up to ~8 KB.
+    rows = min(ELEMENTS_PER_PROGRAM // block_d, num_rows // MIN_PROGRAMS)
+    return 1 if rows < 1 else 1 << (rows.bit_length() - 1)  # a power of two, rounded down
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (last dim contiguous; leading dims may be strided) -> x * rsqrt(mean(x^2) + eps) * weight."""
+    _check_last_dim_contiguous("x", x)
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight must have shape ({dim},) to match x's last dim, got {tuple(weight.shape)}")
+    x3 = x if x.dim() == 3 else x.reshape(-1, 1, dim) if x.dim() <= 2 else x.reshape(-1, x.shape[-2], dim)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows = x3.shape[0] * x3.shape[1]
+    if num_rows == 0:
+        return out
+    block_d = _next_pow2(dim)
+    block_rows = _rows_per_program(num_rows, block_d)
+    _rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        x3, weight, out, num_rows, x3.shape[1], x3.stride(0), x3.stride(1), dim, eps,
+        BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=_elementwise_warps(block_rows * block_d),
+    )
+    return out
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Residual add + RMSNorm
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr,  # [N, D], row stride stride_x
+    residual_ptr,  # [N, D] contiguous; overwritten with x + residual
+    weight_ptr,  # [D]
+    out_ptr,  # [N, D] contiguous
+    num_rows,
+    stride_x,
+    dim,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    x_offs = rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
+    r_offs = rows.to(tl.int64)[:, None] * dim + cols[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(residual_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
+    # Round the sum to the residual's dtype before normalising: the next layer reads the rounded residual,
+    # so the norm must see the same numbers.
+    s = (x + r).to(residual_ptr.dtype.element_ty)
+    tl.store(residual_ptr + r_offs, s, mask=mask)
+    s = s.to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(s * s, axis=1) / dim + eps)
+    y = s * inv_rms[:, None] * w[None, :]
+    tl.store(out_ptr + r_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rmsnorm(x + residual), x + residual). The sum is written IN PLACE into `residual`,
+    which is returned as the second value; `out` is a new tensor. residual must be contiguous."""
+    _check_last_dim_contiguous("x", x)
+    if residual.shape != x.shape or not residual.is_contiguous():
+        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)}, "
+                         f"got shape {tuple(residual.shape)} strides {tuple(residual.stride())}")
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight must have shape ({dim},) to match x's last dim, got {tuple(weight.shape)}")
+    x2 = x.reshape(-1, dim)  # a view unless x's leading dims are strided oddly
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows = x2.shape[0]
+    if num_rows == 0:
+        return out, residual
+    block_d = _next_pow2(dim)
+    block_rows = _rows_per_program(num_rows, block_d)
+    _add_rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        x2, residual, weight, out, num_rows, x2.stride(0), dim, eps,
+        BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=_elementwise_warps(block_rows * block_d),
+    )
+    return out, residual
+
+
+def add_rmsnorm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as add_rmsnorm: the sum is written into `residual` in place."""
+    residual.copy_((x.float() + residual.float()).to(residual.dtype))
+    return rmsnorm_ref(residual, weight, eps), residual
+
+
+# ---------------------------------------------------------------------------------------------------
+# SiLU(gate) * up
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [N, 2I], row stride stride_x
+    out_ptr,  # [N, I] contiguous
+    stride_x,
+    inter,  # I
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * inter + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2I] -> silu(x[:, :I]) * x[:, I:], [N, I]."""
+    if x.dim() != 2 or x.shape[1] % 2 != 0:
+        raise ValueError(f"x must be [N, 2I] with an even last dim, got shape {tuple(x.shape)}")
+    _check_last_dim_contiguous("x", x)
+    n, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    block = min(_next_pow2(inter), 1024)
+    _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](
+        x, out, x.stride(0), inter, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE alignment: group (token, expert) assignments by expert, each group padded to a multiple of block_m
+# ---------------------------------------------------------------------------------------------------
+
+
+def moe_max_padded(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Length of sorted_ids: an upper bound on the padded total that depends only on sizes.
+
+    Each expert that receives tokens wastes at most block_m - 1 padding slots, and at most
+    min(num_assignments, num_experts) experts receive tokens. Using that min (not num_experts)
+    keeps decode grids small: 1 token x top-8 of 128 experts needs 9 blocks of 16, not 121."""
+    bound = num_assignments + min(num_assignments, num_experts) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,  # [A] flat expert id of each assignment a = token * k + j
+    sorted_ids_ptr,  # [max_padded] out: assignment indices grouped by expert; padding = A
+    block_expert_ptr,  # [max_padded // BLOCK_M] out: expert of each block
+    num_padded_ptr,  # [1] out: padded length in use
+    cursor_ptr,  # [EXPERTS_PAD] int32 scratch: token counts, then each expert's next free slot
+    num_assignments,  # A
+    max_padded,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,  # next power of two >= NUM_EXPERTS
+    BLOCK_M: tl.constexpr,  # each expert's group is padded to a multiple of this
+    BLOCK_A: tl.constexpr,  # assignments (or slots) handled per loop step
+    BLOCK_B: tl.constexpr,  # blocks handled per loop step
+):
+    # One program, so tl.debug_barrier (a CTA-wide barrier, which also orders the CTA's global memory
+    # accesses) can separate the phases; a second launch would cost more than the whole kernel.
+    # Atomics do the counting and slot claiming: the alternative, one-hot [assignments x experts] tiles
+    # with a prefix sum, measured 13 us at 1 token and 340 us at 256 tokens on an H200.
+    experts = tl.arange(0, EXPERTS_PAD)
+    lanes = tl.arange(0, BLOCK_A)
+    tl.store(cursor_ptr + experts, tl.zeros([EXPERTS_PAD], dtype=tl.int32))
+    for p0 in range(0, max_padded, BLOCK_A):  # every slot starts as padding
+        tl.store(sorted_ids_ptr + p0 + lanes, tl.zeros([BLOCK_A], dtype=tl.int32) + num_assignments,
+                 mask=p0 + lanes < max_padded)
+    tl.debug_barrier()
+    for a0 in range(0, num_assignments, BLOCK_A):
+        a = a0 + lanes
+        ids = tl.load(topk_ids_ptr + a, mask=a < num_assignments, other=0)
+        tl.atomic_add(cursor_ptr + ids, 1, mask=a < num_assignments, sem="relaxed")  # barriers order phases
+    tl.debug_barrier()
+    counts = tl.load(cursor_ptr + experts)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    tl.debug_barrier()  # all counts read before they are overwritten
+    tl.store(cursor_ptr + experts, ends - padded)
+    num_blocks = max_padded // BLOCK_M
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        # A block belongs to the first expert whose padded group ends past the block's start.
+        owner = tl.sum((ends[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        # Blocks past num_padded are never computed; clamping keeps their expert id a valid index anyway.
+        tl.store(block_expert_ptr + blk, tl.minimum(owner, NUM_EXPERTS - 1), mask=blk < num_blocks)
+    tl.debug_barrier()
+    for a0 in range(0, num_assignments, BLOCK_A):
+        a = a0 + lanes
+        ids = tl.load(topk_ids_ptr + a, mask=a < num_assignments, other=0)
+        dest = tl.atomic_add(cursor_ptr + ids, 1, mask=a < num_assignments, sem="relaxed")  # claim a slot
+        tl.store(sorted_ids_ptr + dest, a, mask=a < num_assignments)
+
+
+def _check_moe_align_args(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be an int32/int64 [N, k] tensor, got {topk_ids.dtype} "
+                         f"shape {tuple(topk_ids.shape)}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"num_experts and block_m must be positive, got {num_experts}, {block_m}")
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the N*k assignments by expert, each group padded to a multiple of block_m.
+
+    Returns sorted_ids int32 [max_padded] (flat assignment index token*k + j; padding = N*k),
+    block_expert int32 [max_padded // block_m], num_padded int32 [1] (on device).
+    max_padded = moe_max_padded(N*k, num_experts, block_m) depends only on sizes, never on routing.
+    The order of assignments within an expert's group is unspecified (slots are claimed by atomics);
+    no result depends on it. Expert ids must lie in [0, num_experts)."""
+    _check_moe_align_args(topk_ids, num_experts, block_m)
+    num_assignments = topk_ids.numel()
+    if num_assignments > MOE_ALIGN_KERNEL_MAX_ASSIGNMENTS:
+        return moe_align_ref(topk_ids, num_experts, block_m)
+    max_padded = moe_max_padded(num_assignments, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    experts_pad = _next_pow2(num_experts)
+    cursor = torch.empty(experts_pad, dtype=torch.int32, device=device)
+    num_blocks = max_padded // block_m
+    _moe_align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, cursor, num_assignments, max_padded,
+        NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
+        BLOCK_A=min(1024, _next_pow2(max_padded)),
+        BLOCK_B=min(_next_pow2(num_blocks), max(1, 8192 // experts_pad)),  # owner search tile <= 8K
+        num_warps=4,
+    )
+    return sorted_ids, block_expert, num_padded
+
+
+def moe_align_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch version, also sync-free (it is the large-batch path of moe_align on the GPU).
+
+    Counts come from scatter_add, not bincount: bincount sizes its output from the data's max, which
+    needs the value on the host (a sync) and breaks CUDA-graph capture."""
+    _check_moe_align_args(topk_ids, num_experts, block_m)
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()  # [A]
+    num_assignments = flat.numel()
+    max_padded = moe_max_padded(num_assignments, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # [E]
+    order = torch.argsort(flat, stable=True)  # assignment indices grouped by expert, in order
+    expert_of = flat[order]
+    rank = torch.arange(num_assignments, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    dest = (ends - padded)[expert_of] + rank
+    sorted_ids = torch.full((max_padded,), num_assignments, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused MoE: one grouped GEMM kernel, launched for gate_up and again for down
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr,  # [rows_a, K] activations: one row per token (gate_up) or per assignment (down)
+    w_ptr,  # [E, N, K] expert weights
+    out_ptr,  # [A, N] one row per assignment
+    sorted_ids_ptr,  # [max_padded] assignment indices grouped by expert, padding = A
+    block_expert_ptr,  # [max_padded // BLOCK_M] expert of each block of sorted_ids
+    num_padded_ptr,  # [1] padded length in use
+    topk_weights_ptr,  # [A] router weights (read only when MUL_ROUTED_WEIGHT)
+    num_assignments,  # A
+    n_out,  # N
+    k_in,  # K
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,  # activation row = assignment // A_ROW_DIV (top-k for gate_up, 1 for down)
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # The grid covers the worst-case padded length; blocks past the length this routing uses stop here.
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    assignment = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = assignment < num_assignments
+    a_row = (assignment // A_ROW_DIV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    # Weight tile read transposed, [BLOCK_K, BLOCK_N], so the product is a @ w.T.
+    w_ptrs = w_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k_ok = ks < k_in - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_ROUTED_WEIGHT:
+        router_w = tl.load(topk_weights_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * router_w[:, None]
+    out_ptrs = out_ptr + assignment.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _moe_block_sizes(num_assignments: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from sizes alone.
+
+    Up to ~16 tokens per expert the layer is memory-bound on the expert weights, and every extra block
+    of an expert re-streams its weights: BLOCK_M is sized to about twice the mean tokens per expert, so
+    most experts fit one block. These tiles are narrow in N (more programs streaming weights at once)
+    and long in K (long contiguous weight rows). Past that, batches are compute-bound and take the
+    bigger tiles that let tl.dot reuse each load more. Chosen from a sweep on an H200 at Qwen3-30B-A3B
+    shapes (E=128, top-8, D=2048, I=768), where the small tiles stream weights at ~95% of bandwidth."""
+    per_expert = num_assignments / num_experts
+    if per_expert <= 8:
+        return 16, 64, 128, 4, 4
+    if per_expert <= 16:
+        return 32, 64, 128, 4, 4
+    if per_expert <= 64:
+        return 64, 128, 64, 4, 3
+    return 128, 256, 64, 8, 3  # measured 10% faster than 64 x 128 at 2048 tokens x top-8 of 128
+
+
+def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks) -> None:
+    """out[assignment] = a[assignment // a_row_div] @ w[expert].T (* router weight when given)."""
+    sorted_ids, block_expert, num_padded = align
+    block_m, block_n, block_k, num_warps, num_stages = blocks
+    n_out, k_in = w.shape[1], w.shape[2]
+    grid = (block_expert.shape[0], triton.cdiv(n_out, block_n))
+    _fused_moe_kernel[grid](
+        a, w, out, sorted_ids, block_expert, num_padded,
+        topk_weights if topk_weights is not None else a,
+        out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, DOT_PRECISION=_dot_precision(a.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids) -> None:
+    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"expected x [N, D], gate_up [E, 2I, D], down [E, D, I], got shapes "
+                         f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
+    n, d = x.shape
+    e, two_i, _ = gate_up.shape
+    if gate_up.shape[2] != d or down.shape != (e, d, two_i // 2) or two_i % 2:
+        raise ValueError(f"gate_up must be [E, 2I, {d}] and down [E, {d}, I], got "
+                         f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [{n}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down)):
+        _check_last_dim_contiguous(name, t)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """out[n] = sum_j w[n, j] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])), e = topk_ids[n, j].
+
+    x [N, D], gate_up [E, 2I, D] (gate rows first), down [E, D, I], topk_* [N, k] -> out [N, D]."""
+    _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids)
+    n, d = x.shape
+    num_experts, two_i, _ = gate_up.shape
+    top_k = topk_ids.shape[1]
+    num_assignments = n * top_k
+    if num_assignments == 0:
+        return torch.zeros_like(x)
+    blocks = _moe_block_sizes(num_assignments, num_experts)
+    align = moe_align(topk_ids, num_experts, blocks[0])
+    gate_up_out = torch.empty((num_assignments, two_i), dtype=x.dtype, device=x.device)  # [A, 2I]
+    _moe_gemm(x, gate_up, gate_up_out, align, None, top_k, blocks)
+    act = silu_and_mul(gate_up_out)  # [A, I]
+    down_out = torch.empty((num_assignments, d), dtype=x.dtype, device=x.device)  # [A, D]
+    router_w = topk_weights.reshape(-1).contiguous()  # [A], a view unless the caller sliced it
+    _moe_gemm(act, down, down_out, align, router_w, 1, blocks)
+    return down_out.view(n, top_k, d).sum(dim=1)  # [N, D]
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Sort the assignments by expert, then one pair of matmuls per expert with tokens.
+
+    Reads the per-expert counts to the host once (one sync; this is the CPU path, where it is free)."""
+    _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids)
+    n, d = x.shape
+    num_experts = gate_up.shape[0]
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()  # [A]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    out = torch.zeros((n * top_k, d), dtype=torch.float32, device=x.device)  # [A, D]
+    start = 0
+    for e, count in enumerate(counts.tolist()):
+        if count == 0:
+            continue
+        assignment = order[start:start + count]
+        start += count
+        xe = x[assignment // top_k].float()  # [count, D]
+        gate, up = (xe @ gate_up[e].float().t()).chunk(2, dim=-1)  # [count, I] each
+        ye = (torch.nn.functional.silu(gate) * up) @ down[e].float().t()  # [count, D]
+        out[assignment] = ye * topk_weights.reshape(-1)[assignment].float()[:, None]
+    return out.view(n, top_k, d).sum(dim=1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV-cache write
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,  # [T, Hkv, D] strided view
+    v_ptr,  # [T, Hkv, D] strided view
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] contiguous
+    v_cache_ptr,
+    slot_mapping_ptr,  # [T] slot = block * block_size + offset; -1 = padding row
+    scratch_slot,  # first slot of the last (never handed out) block
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    # Padding rows (CUDA-graph filler) still run; send them to the scratch block so no real block changes.
+    slot = tl.where(slot < 0, scratch_slot, slot)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
+    k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    t, hkv, d = k.shape
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, {hkv}, {d}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int64 [{t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    _check_last_dim_contiguous("k", k)
+    _check_last_dim_contiguous("v", v)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k, v [T, Hkv, D] at their slots of the caches [num_blocks, block_size, Hkv, D], in place.
+    Slot -1 rows go to the last block (scratch, never handed to a request)."""
+    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    scratch_slot = (k_cache.shape[0] - 1) * k_cache.shape[1]
+    heads_pad, dim_pad = _next_pow2(hkv), _next_pow2(d)
+    _write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, scratch_slot,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, HEADS_PAD=heads_pad, DIM_PAD=dim_pad,
+        num_warps=_elementwise_warps(heads_pad * dim_pad),
+    )
+
+
+def write_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    scratch_slot = (k_cache.shape[0] - 1) * k_cache.shape[1]
+    slots = torch.where(slot_mapping < 0, scratch_slot, slot_mapping).long()
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, d)[slots] = k.to(k_cache.dtype)  # [num_slots, Hkv, D]
+    v_cache.view(-1, hkv, d)[slots] = v.to(v_cache.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotary embedding (neox / HF rotate_half), optionally after per-head RMSNorm (Qwen3 q_norm / k_norm)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_heads(
+    x_ptr,  # this token's first head
+    stride_h,
+    norm_ptr,  # [D] RMSNorm weight (read only when HAS_NORM)
+    cos,  # [HALF] float32
+    sin,  # [HALF] float32
+    eps,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HALF)
+    mask = (heads < NUM_HEADS)[:, None]
+    ptrs1 = x_ptr + heads[:, None] * stride_h + dims[None, :]  # [HEADS_PAD, HALF] first halves
+    x1 = tl.load(ptrs1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        x1 = x1 * inv_rms[:, None] * tl.load(norm_ptr + dims).to(tl.float32)[None, :]
+        x2 = x2 * inv_rms[:, None] * tl.load(norm_ptr + HALF + dims).to(tl.float32)[None, :]
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(ptrs1, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs1 + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,  # [T, H, D] strided view, rotated in place
+    k_ptr,  # [T, Hkv, D] strided view, rotated in place
+    positions_ptr,  # [T]
+    cos_sin_ptr,  # [max_pos, D] float32: cos in the first half, sin in the second
+    q_norm_ptr,  # [D]
+    k_norm_ptr,  # [D]
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,  # D // 2
+    HAS_NORM: tl.constexpr,
+):
+    # One program per token does every q and k head: cos/sin are loaded once and the whole
+    # norm + rotate chain is one launch instead of several per layer.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + dims).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims).to(tl.float32)
+    _rope_heads(q_ptr + t * stride_qt, stride_qh, q_norm_ptr, cos, sin, eps,
+                NUM_Q_HEADS, Q_HEADS_PAD, HALF, HAS_NORM)
+    _rope_heads(k_ptr + t * stride_kt, stride_kh, k_norm_ptr, cos, sin, eps,
+                NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM)
+
+
+def _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight) -> None:
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q must be [T, H, D] and k [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    t, _, d = q.shape
+    if d % 2 or d & (d - 1):
+        raise ValueError(f"head_dim must be an even power of two, got {d}")
+    if positions.shape != (t,):
+        raise ValueError(f"positions must be [{t}], got {tuple(positions.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {d}], got {tuple(cos_sin_cache.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("pass both q_norm_weight and k_norm_weight, or neither")
+    if q_norm_weight is not None and (q_norm_weight.shape != (d,) or k_norm_weight.shape != (d,)):
+        raise ValueError(f"norm weights must be [{d}], got {tuple(q_norm_weight.shape)} and "
+                         f"{tuple(k_norm_weight.shape)}")
+    for name, x in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        _check_last_dim_contiguous(name, x)
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """In place on q [T, H, D] and k [T, Hkv, D] (strided views are fine): optional per-head RMSNorm,
+    then rotate_half RoPE with cos = cos_sin_cache[pos, :D/2], sin = cos_sin_cache[pos, D/2:]."""
+    _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    if t == 0:
+        return
+    has_norm = q_norm_weight is not None
+    q_pad, kv_pad = _next_pow2(h), _next_pow2(hkv)
+    _rope_kernel[(t,)](
+        q, k, positions, cos_sin_cache,
+        q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
+        NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_HEADS_PAD=q_pad, KV_HEADS_PAD=kv_pad, HALF=d // 2,
+        HAS_NORM=has_norm, num_warps=_elementwise_warps((q_pad + kv_pad) * d),
+    )
+
+
+def _rope_one_ref(x, cos, sin, norm_weight, eps) -> None:
+    xf = x.float()  # [T, heads, D]
+    if norm_weight is not None:
+        xf = rmsnorm_ref(xf, norm_weight, eps)
+    x1, x2 = xf.chunk(2, dim=-1)
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype))
+
+
+def rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    _rope_one_ref(q, cos, sin, q_norm_weight, eps)
+    _rope_one_ref(k, cos, sin, k_norm_weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Paged attention: one kernel for prefill, decode and mixed batches, with optional split-KV
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_tiles(
+    q,  # [BLOCK_M, HEAD_DIM] query rows (tokens x heads of one kv group)
+    q_pos,  # [BLOCK_M] position of each row's token; a key j is visible iff j <= q_pos
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row_ptr,  # this request's row of the block table
+    kv_head_off,  # kv head * stride_cache_head
+    stride_cache_block,
+    stride_cache_tok,
+    kv_end,  # keys [0, kv_end) may be visible to some row of this tile
+    tile_lo,  # this split's key tiles: [tile_lo, tile_hi)
+    tile_hi,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles; returns the running (max, sum, unnormalised output)."""
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = keys < kv_end
+        # A tile spans several pages: look up each key's page, so any page size works.
+        page = tl.load(block_table_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        kv_offs = page * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok + kv_head_off
+        k = tl.load(k_cache_ptr + kv_offs[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where((keys[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        # Masked keys must load as 0, not whatever the page holds: 0 * NaN garbage would still be NaN.
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D] strided view
+    k_cache_ptr,  # [num_blocks, page_size, Hkv, D]
+    v_cache_ptr,  # same shape and strides as k_cache
+    query_start_loc_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32, context length including this step's tokens
+    block_table_ptr,  # [B, max_blocks] int32
+    out_ptr,  # [T, H, D] contiguous (used when NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, T, H, D] float32 unnormalised (used when NUM_SPLITS > 1)
+    part_ml_ptr,  # [NUM_SPLITS, T, H, 2] float32 running max and sum (same)
+    num_tokens,  # T
+    stride_qt,
+    stride_qh,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt,
+    qk_scale,
+    NUM_HEADS: tl.constexpr,  # H
+    GROUP: tl.constexpr,  # H // Hkv query heads share a kv head
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Query tiles in reverse: under the causal mask the last tiles see the most keys, and launching
+    # them first keeps them from running alone at the end of a prefill.
+    q_tile = tl.num_programs(2) // NUM_SPLITS - 1 - tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    # The grid is sized for the longest query; tiles past this request's tokens have nothing to do.
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the request
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    # New tokens sit at the end of the context; padding requests (seq_len 0) get kv_end 0 and read no KV.
+    q_pos = seq_len - q_len + q_idx
+    kv_end = tl.maximum(seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q), 0)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    m, l, acc = _attend_tiles(
+        q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
+        kv_head * stride_cache_head, stride_cache_block, stride_cache_tok, kv_end, tile_lo, tile_hi,
+        qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION,
+    )
+    row = token * NUM_HEADS + head  # [BLOCK_M] (token, head) row of out
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        part_row = split * num_tokens * NUM_HEADS + row
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,  # [NUM_SPLITS, T * H, D] float32 unnormalised partial outputs
+    part_ml_ptr,  # [NUM_SPLITS, T * H, 2] float32 partial max (base 2) and sum
+    out_ptr,  # [T * H, D]
+    num_rows,  # T * H
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    # Log-sum-exp merge: rescale each split by 2^(m_split - m_max). Splits that saw no key carry
+    # m = NEG_BIG and l = 0 and so add nothing; a row with no key at all ends as 0.
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    part_row = splits * num_rows + row  # [SPLITS_PAD]
+    m = tl.load(part_ml_ptr + part_row * 2, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + part_row * 2 + 1, mask=split_ok, other=0.0)
+    scale = tl.exp2(m - tl.max(m, axis=0))  # [SPLITS_PAD]
+    total = tl.sum(l * scale, axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(acc * scale[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the Triton interpreter runs programs one at a time: splitting only costs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _attention_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N). Rows of a tile are BLOCK_Q query tokens x GROUP_PAD heads, so K/V
+    are read once per kv head; tl.dot needs BLOCK_M >= 16, so decode pads its 1 x G rows up to 16."""
+    group_pad = _next_pow2(group)
+    block_m = _next_pow2(max_query_len) * group_pad
+    block_m = max(MIN_DOT, group_pad, min(block_m, ATTN_PREFILL_BLOCK_M))
+    # Keep one K or V tile at 16 KB in bf16 so several pipeline stages fit in shared memory.
+    block_n = max(MIN_DOT, min(ATTN_BLOCK_N, 8192 // head_dim))
+    return block_m // group_pad, block_m, block_n
+
+
+def _attention_num_splits(programs: int, max_tiles: int, device: torch.device) -> int:
+    """Split the KV range only when the grid would leave SMs idle (decode at small batch, long context).
+    Called only when each request's queries fit one tile: a prefill gets its programs from its query
+    tiles, and splitting it (fp32 partials for every token) measured 2x slower at 512 tokens."""
+    target = ATTN_PROGRAMS_PER_SM * _sm_count(device)
+    # Round down: at batch 16, 8K context, 5 splits (640 programs) measured 20% slower than 4 (512).
+    return max(1, min(target // programs, max_tiles, ATTN_MAX_SPLITS))
+
+
+def _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, max_query_len) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q [T, H, D] and k/v caches [num_blocks, page_size, Hkv, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    h, d = q.shape[1], q.shape[2]
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != d or h % hkv:
+        raise ValueError(f"cache head_dim must equal q's ({d}) and H={h} must be a multiple of Hkv={hkv}")
+    if d < MIN_DOT or d & (d - 1) or page_size & (page_size - 1):
+        raise ValueError(f"head_dim ({d}) must be a power of two >= {MIN_DOT} and the page size "
+                         f"({page_size}) a power of two")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape != (b + 1,) or block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"expected query_start_loc [{b + 1}] and block_table [{b}, max_blocks], got "
+                         f"{tuple(query_start_loc.shape)} and {tuple(block_table.shape)}")
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides and have a contiguous head_dim, "
+                         "and block_table rows must be contiguous")
+    _check_last_dim_contiguous("q", q)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context -> out [T, H, D].
+
+    Request b owns tokens query_start_loc[b]:query_start_loc[b+1] of q, at positions
+    seq_lens[b] - q_len .. seq_lens[b] - 1; every token of q must belong to a request. seq_len 0 gives
+    zeros. The grid depends only on B, max_query_len (a host upper bound on q_len), H, Hkv and
+    block_table.shape[1], so one launch can be graph-captured and replayed with new lengths.
+    num_splits overrides the split-KV count chosen from the SM count (tests use it)."""
+    _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, max_query_len)
+    t, h, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    b = seq_lens.shape[0]
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0 or b == 0:
+        return out
+    group = h // hkv
+    block_q, block_m, block_n = _attention_blocks(max_query_len, group, d)
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    if num_splits is None and q_tiles > 1:
+        num_splits = 1
+    if num_splits is None:
+        max_tiles = triton.cdiv(block_table.shape[1] * page_size, block_n)
+        num_splits = _attention_num_splits(b * hkv, max_tiles, q.device)
+    if num_splits > 1:
+        part_out = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_splits, t, h, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_ml = out  # unused
+    _paged_attention_kernel[(b, hkv, q_tiles * num_splits)](
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, t,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), scale * LOG2E,
+        NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=8 if block_m >= 128 else 4, num_stages=3,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(t * h,)](
+            part_out, part_ml, out, t * h,
+            HEAD_DIM=d, NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Vectorised over requests, no host sync: gather each request's whole block-table row of K/V,
+    scatter queries into [B, max_query_len], masked softmax in float32, gather rows back to [T, H, D]."""
+    _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, max_query_len)
+    t, h, d = q.shape
+    num_blocks, page_size, hkv, _ = k_cache.shape
+    b, max_blocks = block_table.shape
+    device = q.device
+    # Unused block-table entries may hold anything; clamp so the gather stays in range (they are masked).
+    pages = block_table.long().clamp(0, num_blocks - 1)
+    keys = torch.arange(max_blocks * page_size, device=device)  # [L]
+    in_context = (keys[None, :] < seq_lens.long()[:, None])[:, :, None, None]  # [B, L, 1, 1]
+    # Slots past seq_len may hold anything, NaN included, and 0 * NaN is NaN: zero them before the matmuls.
+    k = torch.where(in_context, k_cache[pages].reshape(b, -1, hkv, d).float(), 0.0)  # [B, L, Hkv, D]
+    v = torch.where(in_context, v_cache[pages].reshape(b, -1, hkv, d).float(), 0.0)
+    qsl = query_start_loc.long()
+    tokens = torch.arange(t, device=device)
+    req = torch.searchsorted(qsl[1:], tokens, right=True)  # [T] request of each token
+    q_idx = tokens - qsl[req]  # [T] index among the request's new tokens
+    qb = torch.zeros((b, max_query_len, h, d), dtype=torch.float32, device=device)
+    qb[req, q_idx] = q.float()
+    qb = qb.view(b, max_query_len, hkv, h // hkv, d)  # [B, Mq, Hkv, G, D]
+    scores = torch.einsum("bqhgd,blhd->bhgql", qb, k) * scale  # [B, Hkv, G, Mq, L]
+    q_len = qsl[1:] - qsl[:-1]  # [B]
+    q_pos = (seq_lens.long() - q_len)[:, None] + torch.arange(max_query_len, device=device)  # [B, Mq]
+    visible = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < seq_lens.long()[:, None, None])
+    visible = visible[:, None, None]  # [B, 1, 1, Mq, L]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # rows with no key: 0, not NaN
+    out = torch.einsum("bhgql,blhd->bqhgd", probs, v).reshape(b, max_query_len, h, d)
+    return out[req, q_idx].to(q.dtype)  # [T, H, D]
