@@ -695,23 +695,27 @@ class ModelRunner:
         srows = rows[sample]
         width = -(-int(seq_lens.max()) // bs)
         logits_indices = (qsl[1:] - 1)[sample].astype(np.int64)
-        fills = np.flatnonzero(ids == PLACEHOLDER)  # inputs still on the device, from the step in flight
+        # Inputs still on the device (async): PLACEHOLDERs, sampled by the step in flight. Their indices
+        # travel in the same pinned copy as the rest; a pageable copy would wait for that step to finish.
+        fills = np.flatnonzero(ids == PLACEHOLDER)
+        steady = out.is_decode and len(fills) == len(reqs) and reqs == self.prev_sampling
+        if len(fills) and not steady:
+            owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
+            src = np.array([self.prev_rows[reqs[b]] for b in owners.tolist()], dtype=np.int64)
+        else:
+            fills = src = np.zeros(0, dtype=np.int64)
         ints64, ints32, floats = self.staging.to_device(
             [ids, pos, slots, logits_indices, self.seed[srows], seq_lens[sample].astype(np.int64),
-             self.top_k[srows]],
+             self.top_k[srows], fills, src],
             [qsl, seq_lens.astype(np.int32), self.table[rows, :width]],
             [self.temperature[srows], self.top_p[srows]])
         batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
                       query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
                       logits_indices=ints64[3], max_query_len=int((qsl[1:] - qsl[:-1]).max()))
-        if len(fills):
-            if out.is_decode and reqs == self.prev_sampling:  # async steady state: same rows as in flight
-                src = fills
-            else:
-                owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
-                src = [self.prev_rows[reqs[b]] for b in owners.tolist()]
-            dst = torch.from_numpy(fills).to(self.device, non_blocking=True)
-            batch.input_ids[dst] = self.prev_tokens[torch.as_tensor(src, device=self.device)]
+        if steady:  # the async steady state: every input is the token the same row sampled last step
+            batch.input_ids.copy_(self.prev_tokens)
+        elif len(fills):
+            batch.input_ids[ints64[7]] = self.prev_tokens[ints64[8]]
         temp = self.temperature[srows]
         sbatch = SamplingBatch(temperature=floats[0], top_k=ints64[6], top_p=floats[1], seeds=ints64[4],
                                counters=ints64[5], all_greedy=bool((temp == 0).all()),
@@ -825,6 +829,7 @@ class Engine:
         self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
+        self.readback = None  # async on CUDA: two pinned token buffers, alternating
         self._ids = 0
 
     def _blocks_for_memory(self) -> int:
@@ -926,9 +931,16 @@ class Engine:
         return outputs
 
     def _copy_to_host(self, tokens: torch.Tensor):
+        """Start the copy of a step's tokens into pinned memory; an event says when they have landed.
+        Two persistent buffers alternate (one step is in flight at most): allocating pinned memory per
+        step could synchronise the device, which is the one thing this path must not do."""
         if tokens.device.type != "cuda":
             return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        if self.readback is None:
+            self.readback = [torch.empty(self.cfg.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                             for _ in range(2)]
+        self.readback.reverse()
+        host = self.readback[0][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()

@@ -923,6 +923,28 @@ def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch):
 
 
 @needs_cuda
+def test_gpu_async_loop_never_syncs_but_for_its_event():
+    """Between the event waits, a whole async step (plan, copy in, replay, sample, copy out) never blocks."""
+    engine = nanoengine.Engine(model="tiny", async_scheduling=True, max_num_seqs=16, **GPU)
+    for p in mixed_prompts(12, 4096, seed=21):
+        engine.add_request(p, greedy(40))
+    for _ in range(4):
+        engine.step_async()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(10):
+            if i == 5:
+                engine.add_request([7] * 30, greedy(5))  # a mixed step in the middle
+            engine.step_async()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished():
+        engine.step_async()
+    check_clean(engine)
+
+
+@needs_cuda
 def test_gpu_async_equals_sync_with_graphs():
     prompts = mixed_prompts(24, 4096, seed=20, lengths=(5, 60, 17, 200))
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=12, ignore_eos=True) for i in range(24)]
