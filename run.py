@@ -51,6 +51,8 @@ def floor_seconds(engine: Engine, batch: int, context: int, bandwidth: float) ->
     mc, model = engine.model.config, engine.model
     total = param_bytes(model)
     elem = model.lm_head.weight.element_size()
+    if not mc.tie_word_embeddings:  # the embedding table is only gathered from (B rows), not read whole
+        total -= model.model.embed_tokens.weight.numel() * elem
     if mc.num_experts:
         per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size * elem
         moe_layers = sum(mc.is_moe_layer(i) for i in range(mc.num_layers))
