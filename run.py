@@ -11,6 +11,7 @@ Imports nanoengine (and, for `kernels`, kernels.py).
 """
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -290,10 +291,10 @@ BF16 = torch.bfloat16
 BYTES = 2  # per bf16 element
 
 
-def _time_us(fn, graph: bool = True) -> float:
+def _time_us(fn, graph: bool = True, rep: int = REP_MS) -> float:
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3
-    return triton.testing.do_bench(fn, warmup=5, rep=REP_MS, return_mode="median") * 1e3
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median") * 1e3
 
 
 def _report(out_lines, kernel: str, shape: dict, fn, ref_fn, floor_bytes: float, ref_graph=True, **extra):
@@ -410,6 +411,60 @@ def bench_kernels(groups=KERNEL_GROUPS, out_lines: list | None = None) -> None:
                 _bench_decode_attention(out_lines, b, ctx)
         for b in (1, 16):  # as the graphs run it: the table is as wide as max_model_len (8192 tokens)
             _bench_decode_attention(out_lines, b, 128, width=8192 // PAGE_SIZE)
+    if "linear" in groups:
+        bench_linear()
+
+
+LINEAR_REP_MS = 5  # timed replay per measurement; 56 measurements keep the run near 20 s
+ROTATE_BYTES = 192 * 2**20  # weight copies cycled per shape: over 3x the 60 MB L2
+# (K, N) of each matrix; layers = how often a decode step reads it.
+LINEAR_SHAPES = {
+    "qwen3_0.6b": dict(layers=28, qkv=(1024, 4096), o=(2048, 1024), gate_up=(1024, 6144), down=(3072, 1024),
+                       lm_head=(1024, 151936)),
+    "llama3.2_1b": dict(layers=16, qkv=(2048, 3072), o=(2048, 2048), gate_up=(2048, 16384), down=(8192, 2048),
+                        lm_head=(2048, 128256)),
+    "llama3_8b": dict(layers=32, qkv=(4096, 6144), o=(4096, 4096), gate_up=(4096, 28672), down=(14336, 4096)),
+}
+
+
+def _bench_matrix(model: str, name: str, k: int, n: int, m: int) -> dict:
+    weight_bytes = n * k * 2
+    copies = max(1, -(-ROTATE_BYTES // weight_bytes))
+    weights = torch.randn(copies, n, k, device="cuda", dtype=BF16) * k**-0.5  # [copies, N, K]
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    torch.testing.assert_close(kernels.linear(x, weights[0]), torch.nn.functional.linear(x, weights[0]), atol=3e-2, rtol=1.6e-2)
+    ours, theirs = itertools.cycle(weights), itertools.cycle(weights)
+    us = _time_us(lambda: kernels.linear(x, next(ours)), rep=LINEAR_REP_MS)
+    cublas_us = _time_us(lambda: torch.nn.functional.linear(x, next(theirs)), rep=LINEAR_REP_MS)
+    floor_us = weight_bytes / BANDWIDTH * 1e6
+    block_m, block_n, block_k, use_dot = kernels._linear_blocks(m, n, k, 2)
+    return dict(kernel="linear", model=model, matrix=name, M=m, N=n, K=k, us=round(us, 2),
+                cublas_us=round(cublas_us, 2), floor_us=round(floor_us, 2), pct_of_bw=round(100 * floor_us / us, 1),
+                cublas_pct_of_bw=round(100 * floor_us / cublas_us, 1), speedup=round(cublas_us / us, 2),
+                blocks=[block_m, block_n, block_k], path="dot" if use_dot else "fma", programs=-(-n // block_n),
+                weight_copies=copies, timing="cuda_graph")
+
+
+def bench_linear() -> list[dict]:
+    rows = []
+    for model, spec in LINEAR_SHAPES.items():
+        step = {1: [0.0, 0.0, 0.0], 16: [0.0, 0.0, 0.0]}  # M -> [us, cublas_us, floor_us] per decode step
+        for name, shape in spec.items():
+            if name == "layers":
+                continue
+            times = 1 if name == "lm_head" else spec["layers"]
+            for m in (1, 16):
+                row = _bench_matrix(model, name, *shape, m)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                for i, key in enumerate(("us", "cublas_us", "floor_us")):
+                    step[m][i] += times * row[key]
+        for m, (us, cublas_us, floor_us) in step.items():
+            print(json.dumps(dict(kernel="linear_decode_step", model=model, M=m, us=round(us, 1),
+                                  cublas_us=round(cublas_us, 1), floor_us=round(floor_us, 1),
+                                  pct_of_bw=round(100 * floor_us / us, 1), speedup=round(cublas_us / us, 2))),
+                  flush=True)
+    return rows
 
 
 def cmd_kernels(a):

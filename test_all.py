@@ -608,15 +608,17 @@ def test_fused_equals_unfused_and_costs_no_memory(preset):
     assert nanoengine.param_bytes(model) == before
 
 
-def test_triton_kernels_end_to_end_equal_unfused(tmp_path):
+@pytest.mark.parametrize("triton_linear", [False, True])
+def test_triton_kernels_end_to_end_equal_unfused(tmp_path, triton_linear):
     """The whole fused forward on the Triton kernels (the interpreter on the CPU), MoE included."""
     cfg, sd = checkpoint("qwen3_moe", seed=12)
     folder = save_checkpoint(tmp_path / "moe", cfg, sd)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]]
     dev = dict(device="cuda", dtype="float32", num_blocks=256) if CUDA else {}  # interpreter on the CPU
     unfused = LLM(model=folder, fuse=False, **dev).generate(prompts, greedy(3))
-    llm = LLM(model=folder, fuse=True, triton=True, **dev)
+    llm = LLM(model=folder, fuse=True, triton=True, triton_linear=triton_linear, **dev)
     assert llm.engine.model.ops.paged_attention is kernels.paged_attention
+    assert (llm.engine.model.ops.linear is kernels.linear) == triton_linear
     triton_out = llm.generate(prompts, greedy(3))
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in unfused]
     assert [o.token_ids for o in unfused] == [ref_greedy(sd, cfg, p, 3) for p in prompts]
@@ -915,10 +917,12 @@ def test_gpu_fused_forward_never_syncs(preset):
 
 @needs_cuda
 @pytest.mark.parametrize("arch", ARCH_NAMES)
-def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch):
+@pytest.mark.parametrize("triton_linear", [False, True])
+def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch, triton_linear):
     cfg, sd, folder = ckpt_dirs[arch]
     prompts = mixed_prompts(8, cfg["vocab_size"], seed=1)
-    outs = nanoengine.LLM(model=folder, dtype="float32", **GPU).generate(prompts, greedy(6))
+    llm = nanoengine.LLM(model=folder, dtype="float32", triton_linear=triton_linear, **GPU)
+    outs = llm.generate(prompts, greedy(6))
     assert [o.token_ids for o in outs] == [ref_greedy(sd, cfg, p, 6) for p in prompts]
 
 
@@ -1308,6 +1312,189 @@ def test_kernel_gpu_no_host_sync():
         kernels.paged_attention(q_att, *tensors, d**-0.5, 1, num_splits=4)
         kernels.paged_attention(q_pre, *tensors_pre, d**-0.5, 20)
         kernels.paged_attention_ref(q_pre, *tensors_pre, d**-0.5, 20)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+# ==========================================================================================================
+# The decode-sized linear kernel, and attention at short contexts with many splits
+# ==========================================================================================================
+
+# float32: kernel and reference differ only in summation order (K <= 600 products of N(0, 1) values).
+LINEAR_TOL = dict(atol=1e-4, rtol=1e-5)
+
+
+def _poison_empty(monkeypatch) -> None:
+    """Make kernels' torch.empty hand out NaN (-1 in integer buffers), so an element the kernel should have
+    written and did not, or one it should not have read and did, shows up."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(kernels.torch, "empty", poisoned)
+
+
+# ---------------------------------------------------------------------------------------------------
+# linear
+# ---------------------------------------------------------------------------------------------------
+
+
+# M = 1: the FMA path; 3 and 16: tl.dot with rows padded to 16. (70, 200): N and K both ragged against
+# every block size; (64, 512): whole blocks, two K steps; (37, 600): several K steps and a ragged tail.
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(70, 200), (64, 512), (37, 600)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_linear_matches_ref(monkeypatch, m, n, k, with_bias):
+    # Few, wide programs keep the interpreter fast: BLOCK_N 16 (FMA) or 32-64 (dot) at these N, and 4 KB
+    # tiles give BLOCK_K 16-64, so K = 512 and 600 take many steps, the last one ragged at 600.
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
+    _poison_empty(monkeypatch)
+    x, w = _randn(m, k, seed=1), _randn(n, k, seed=2)
+    bias = _randn(n, seed=3) if with_bias else None
+    out = kernels.linear(x, w, bias)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    torch.testing.assert_close(out, kernels.linear_ref(x, w, bias), **LINEAR_TOL)
+
+
+def test_kernel_linear_default_blocks_small_n():
+    # Unpatched sizes: N = 70 at M = 1 gets BLOCK_N 1 (70 programs), the path a short matrix takes.
+    x, w, bias = _randn(1, 200, seed=4), _randn(70, 200, seed=5), _randn(70, seed=6)
+    torch.testing.assert_close(kernels.linear(x, w, bias), kernels.linear_ref(x, w, bias), **LINEAR_TOL)
+
+
+def test_kernel_linear_strided_rows_and_leading_dims(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    wide = _randn(3, 300, seed=7)
+    x = wide[:, :200]  # rows 300 apart: handled through the row stride, no copy
+    w = _randn(40, 200, seed=8)
+    torch.testing.assert_close(kernels.linear(x, w), kernels.linear_ref(x, w), **LINEAR_TOL)
+    x3 = _randn(2, 3, 200, seed=9)  # [B, T, K] -> [B, T, N], 6 rows
+    out = kernels.linear(x3, w)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, kernels.linear_ref(x3, w), **LINEAR_TOL)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        kernels.linear(_randn(200, 3, seed=10).t(), w)  # strided K: rejected, not silently copied
+    with pytest.raises(ValueError, match="weight must be"):
+        kernels.linear(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="bias"):
+        kernels.linear(x, w, _randn(41, seed=11))
+
+
+def test_kernel_linear_above_max_m_falls_back_to_f_linear():
+    m = kernels.LINEAR_MAX_M + 1
+    x, w, bias = _randn(m, 200, seed=12), _randn(70, 200, seed=13), _randn(70, seed=14)
+    assert torch.equal(kernels.linear(x, w, bias), F.linear(x, w, bias))
+
+
+def test_kernel_linear_empty():
+    w = _randn(70, 200, seed=15)
+    assert kernels.linear(_randn(0, 200, seed=16), w).shape == (0, 70)
+
+
+# Every shape the brief targets: enough programs for the SMs, and tiles that fill the tile budget.
+SHAPES = {  # name: (K, N)
+    "qwen3_0.6b_qkv": (1024, 4096), "qwen3_0.6b_o": (2048, 1024), "qwen3_0.6b_gate_up": (1024, 6144),
+    "qwen3_0.6b_down": (3072, 1024), "qwen3_0.6b_lm_head": (1024, 151936),
+    "llama3.2_1b_qkv": (2048, 3072), "llama3.2_1b_o": (2048, 2048), "llama3.2_1b_gate_up": (2048, 16384),
+    "llama3.2_1b_down": (8192, 2048), "llama3.2_1b_lm_head": (2048, 128256),
+    "llama3_8b_qkv": (4096, 6144), "llama3_8b_o": (4096, 4096), "llama3_8b_gate_up": (4096, 28672),
+    "llama3_8b_down": (14336, 4096),
+}
+
+
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_kernel_linear_block_choice(m):
+    for name, (k, n) in SHAPES.items():
+        block_m, block_n, block_k, use_dot = kernels._linear_blocks(m, n, k, 2)
+        programs = -(-n // block_n)
+        assert use_dot == (m > 1) and block_m >= m, name
+        # Two programs per SM, unless the narrowest block allowed (16 for tl.dot) still gives fewer.
+        assert programs >= kernels.MIN_PROGRAMS or block_n == (kernels.MIN_DOT if use_dot else 1), name
+        assert block_n * block_k * 2 == kernels.LINEAR_TILE_BYTES or block_k >= k, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Paged attention: short contexts under many splits
+# ---------------------------------------------------------------------------------------------------
+
+
+def _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed):
+    """Caches hold NaN wherever a request may not look, so any unmasked load shows up in the output."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(q_lens)
+    num_blocks = b * max_blocks + 1
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    block_table = torch.randperm(num_blocks - 1, generator=g)[: b * max_blocks].view(b, max_blocks).int()
+    for r, seq_len in enumerate(seq_lens):
+        pos = torch.arange(seq_len)
+        blk, off = block_table[r, pos // page].long(), pos % page
+        k_cache[blk, off] = torch.randn(seq_len, hkv, d, generator=g)
+        v_cache[blk, off] = torch.randn(seq_len, hkv, d, generator=g)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), h, d, generator=g)
+    tensors = (k_cache, v_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32), block_table)
+    return q.to(DEVICE), [t.to(DEVICE) for t in tensors]
+
+
+# min_split_tokens 1 (one 64-key tile per split) spreads the 300-token row over 5 splits and the 40-token
+# rows over 1; the default (128) gives the 300-token row 3 splits and the 5- and 40-token rows, and the
+# chunk, one direct pass each.
+@pytest.mark.parametrize("min_split_tokens", [None, 1])
+def test_kernel_paged_attention_short_contexts_many_splits(monkeypatch, min_split_tokens):
+    if min_split_tokens is not None:
+        monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", min_split_tokens)
+    _poison_empty(monkeypatch)  # partials of unused splits and skipped merge rows must never be read
+    # decode 5, decode 40, decode 300, padding row, a 3-token chunk on a 37-token context
+    q_lens, seq_lens = [1, 1, 1, 1, 3], [5, 40, 300, 0, 40]
+    q, tensors = _attention_case(q_lens, seq_lens, h=4, hkv=2, d=32, page=16, max_blocks=20, seed=30)
+    scale = 32**-0.5
+    out = kernels.paged_attention(q, *tensors, scale, max(q_lens), num_splits=16)
+    ref = kernels.paged_attention_ref(q, *tensors, scale, max(q_lens))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    assert out[3].abs().max() == 0, "the seq_len-0 request must produce zeros"
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: bf16 at the real shapes, and no host sync
+# ---------------------------------------------------------------------------------------------------
+
+# Both sides accumulate in float32 and round once to bf16 (8 mantissa bits): they may differ by one
+# bf16 step, 2^-7 relative at worst, on outputs of magnitude ~1-4 here.
+BF16_LINEAR_TOL = dict(atol=3e-2, rtol=1.6e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_kernel_gpu_linear_bf16_real_shapes(name, m):
+    k, n = SHAPES[name]
+    x = _randn(m, k, seed=40, device="cuda", dtype=torch.bfloat16)
+    w = (_randn(n, k, seed=41, device="cuda") * k**-0.5).to(torch.bfloat16)  # outputs ~ N(0, 1)
+    bias = _randn(n, seed=42, device="cuda", dtype=torch.bfloat16) if "qkv" in name else None
+    out = kernels.linear(x, w, bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, w, bias), **BF16_LINEAR_TOL)
+
+
+@needs_cuda
+def test_kernel_gpu_linear_no_host_sync():
+    x16 = _randn(16, 1024, seed=43, device="cuda", dtype=torch.bfloat16)
+    x17 = _randn(17, 1024, seed=44, device="cuda", dtype=torch.bfloat16)
+    w = _randn(4096, 1024, seed=45, device="cuda", dtype=torch.bfloat16)
+    bias = _randn(4096, seed=46, device="cuda", dtype=torch.bfloat16)
+    kernels.linear(x16[:1], w, bias), kernels.linear(x16, w)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.linear(x16[:1], w, bias)
+        kernels.linear(x16, w)
+        kernels.linear(x17, w, bias)  # the F.linear fallback
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
