@@ -81,9 +81,9 @@ def cmd_overhead(a):
         run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=3))  # warm up: compile, allocate
         r = run_engine(engine, prompts, params)
         header = header or overhead_header(engine, a, device)
-        g = engine.runner.graphs
-        if g is not None and g.use_cuda_graphs:
-            header.update(graph_capture_s=round(g.capture_seconds, 2), graph_mem_mb=round(g.capture_bytes / 2**20, 1))
+        if engine.runner.graphs is not None and engine.runner.graphs.use_cuda_graphs:
+            header.update(graph_capture_s=round(engine.runner.graphs.capture_seconds, 2),
+                          graph_mem_mb=round(engine.runner.graphs.capture_bytes / 2**20, 1))
         reference = reference or r["outputs"]
         steps = max(r["steps"], 1)
         rec = dict(config=name, tok_s=round(r["decode_tokens"] / r["wall"], 1), steps=steps,
@@ -94,6 +94,7 @@ def cmd_overhead(a):
             rec["x_floor"] = round(r["wall"] / steps / header["floor_ms"] * 1e3, 2)
         rec["same_tokens"] = r["outputs"] == reference
         records.append(rec)
+        print(json.dumps(rec), file=sys.stderr, flush=True)  # progress, in case the run is cut short
         del engine
         free_memory()
     for rec in [header] + records:  # the header carries the graphs' capture cost, known only now
@@ -245,7 +246,7 @@ def cmd_profile(a):
         emit(dict(config=name, requests=a.requests, trace=path, **trace_summary(path, a.steps, cuda)))
         while engine.has_unfinished():
             step()
-        del engine
+        del engine, step  # the bound method holds the engine too
         free_memory()
 
 

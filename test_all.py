@@ -1212,7 +1212,7 @@ def test_kernel_paged_attention_all_padding():
 # GPU: bf16 at Qwen3 shapes, and no host sync
 # ---------------------------------------------------------------------------------------------------
 
-GPU = torch.device("cuda")
+CUDA_DEVICE = torch.device("cuda")
 BF16 = torch.bfloat16
 # bf16 keeps 8 mantissa bits (~4e-3 relative); kernels round once at the end, refs in places more often.
 BF16_ELEMENTWISE_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -1223,27 +1223,27 @@ BF16_GEMM_TOL = dict(atol=3e-2, rtol=3e-2)
 @needs_cuda
 def test_kernel_gpu_elementwise_bf16():
     t, h, hkv, d, hidden, inter = 256, 16, 8, 128, 1024, 3072
-    x, w = _randn(t, hidden, seed=30, device=GPU, dtype=BF16), _randn(hidden, seed=31, device=GPU, dtype=BF16)
+    x, w = _randn(t, hidden, seed=30, device=CUDA_DEVICE, dtype=BF16), _randn(hidden, seed=31, device=CUDA_DEVICE, dtype=BF16)
     torch.testing.assert_close(kernels.rmsnorm(x, w, 1e-6), kernels.rmsnorm_ref(x, w, 1e-6),
                                **BF16_ELEMENTWISE_TOL)
-    res = _randn(t, hidden, seed=32, device=GPU, dtype=BF16)
+    res = _randn(t, hidden, seed=32, device=CUDA_DEVICE, dtype=BF16)
     out, new_res = kernels.add_rmsnorm(x, res.clone(), w, 1e-6)
     out_ref, new_res_ref = kernels.add_rmsnorm_ref(x, res.clone(), w, 1e-6)
     torch.testing.assert_close(out, out_ref, **BF16_ELEMENTWISE_TOL)
     torch.testing.assert_close(new_res, new_res_ref, atol=0, rtol=0)
-    gu = _randn(t, 2 * inter, seed=33, device=GPU, dtype=BF16)
+    gu = _randn(t, 2 * inter, seed=33, device=CUDA_DEVICE, dtype=BF16)
     torch.testing.assert_close(kernels.silu_and_mul(gu), kernels.silu_and_mul_ref(gu), **BF16_ELEMENTWISE_TOL)
-    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=34, device=GPU, dtype=BF16)
-    qkv_ref, q_ref, k_ref, _ = _qkv_views(t, h, hkv, d, seed=34, device=GPU, dtype=BF16)
-    positions = torch.randint(0, 4096, (t,), device=GPU)
-    cos_sin = _randn(4096, d, seed=35, device=GPU)
-    norms = (_randn(d, seed=36, device=GPU, dtype=BF16), _randn(d, seed=37, device=GPU, dtype=BF16))
+    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=34, device=CUDA_DEVICE, dtype=BF16)
+    qkv_ref, q_ref, k_ref, _ = _qkv_views(t, h, hkv, d, seed=34, device=CUDA_DEVICE, dtype=BF16)
+    positions = torch.randint(0, 4096, (t,), device=CUDA_DEVICE)
+    cos_sin = _randn(4096, d, seed=35, device=CUDA_DEVICE)
+    norms = (_randn(d, seed=36, device=CUDA_DEVICE, dtype=BF16), _randn(d, seed=37, device=CUDA_DEVICE, dtype=BF16))
     kernels.rope(q, k, positions, cos_sin, *norms)
     kernels.rope_ref(q_ref, k_ref, positions, cos_sin, *norms)
     torch.testing.assert_close(qkv, qkv_ref, **BF16_ELEMENTWISE_TOL)
-    k_cache = torch.full((65, 16, hkv, d), float("nan"), device=GPU, dtype=BF16)
+    k_cache = torch.full((65, 16, hkv, d), float("nan"), device=CUDA_DEVICE, dtype=BF16)
     v_cache = k_cache.clone()
-    slots = torch.randperm(64 * 16, device=GPU)[:t]
+    slots = torch.randperm(64 * 16, device=CUDA_DEVICE)[:t]
     slots[::7] = -1
     kernels.write_kv(k, v, k_cache, v_cache, slots)
     real = slots >= 0
@@ -1256,10 +1256,10 @@ def test_kernel_gpu_elementwise_bf16():
 @pytest.mark.parametrize("n", [1, 64, 300, 2100, 4200])  # 4200 x 8 assignments: the torch moe_align path
 def test_kernel_gpu_fused_moe_bf16(n):
     num_experts, d, inter, top_k = 128, 2048, 768, 8
-    x = _randn(n, d, seed=40, device=GPU, dtype=BF16)
-    gate_up = (_randn(num_experts, 2 * inter, d, seed=41, device=GPU) / d**0.5).to(BF16)
-    down = (_randn(num_experts, d, inter, seed=42, device=GPU) / inter**0.5).to(BF16)
-    weights, ids = _routing(n, top_k, num_experts, seed=43, device=GPU)
+    x = _randn(n, d, seed=40, device=CUDA_DEVICE, dtype=BF16)
+    gate_up = (_randn(num_experts, 2 * inter, d, seed=41, device=CUDA_DEVICE) / d**0.5).to(BF16)
+    down = (_randn(num_experts, d, inter, seed=42, device=CUDA_DEVICE) / inter**0.5).to(BF16)
+    weights, ids = _routing(n, top_k, num_experts, seed=43, device=CUDA_DEVICE)
     align = kernels.moe_align(ids, num_experts, 16)
     _check_moe_align_invariants(ids, num_experts, 16, *align)
     out = kernels.fused_moe(x, gate_up, down, weights, ids)
@@ -1275,7 +1275,7 @@ def test_kernel_gpu_fused_moe_bf16(n):
 def test_kernel_gpu_paged_attention_bf16(q_lens, seq_lens, num_splits):
     h, hkv, d, page = 16, 8, 128, 16
     max_blocks = -(-max(seq_lens) // page) + 1
-    q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed=44, device=GPU, dtype=BF16)
+    q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed=44, device=CUDA_DEVICE, dtype=BF16)
     out = kernels.paged_attention(q, *tensors, d**-0.5, max(q_lens), num_splits=num_splits)
     ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
     assert not out.isnan().any()
@@ -1285,16 +1285,16 @@ def test_kernel_gpu_paged_attention_bf16(q_lens, seq_lens, num_splits):
 @needs_cuda
 def test_kernel_gpu_no_host_sync():
     t, h, hkv, d = 16, 16, 8, 128
-    x, w = _randn(t, 1024, seed=50, device=GPU, dtype=BF16), _randn(1024, seed=51, device=GPU, dtype=BF16)
-    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=52, device=GPU, dtype=BF16)
-    positions = torch.arange(t, device=GPU)
-    cos_sin = _randn(64, d, seed=53, device=GPU)
-    gate_up = _randn(128, 2 * 768, 1024, seed=54, device=GPU, dtype=BF16)
-    down = _randn(128, 1024, 768, seed=55, device=GPU, dtype=BF16)
-    weights, ids = _routing(t, 8, 128, seed=56, device=GPU)
-    _, big_ids = _routing(4200, 8, 128, seed=57, device=GPU)
-    q_att, tensors = _attention_case([1] * t, [100] * t, h, hkv, d, 16, 8, seed=58, device=GPU, dtype=BF16)
-    q_pre, tensors_pre = _attention_case([20, 1], [40, 9], h, hkv, d, 16, 4, seed=59, device=GPU, dtype=BF16)
+    x, w = _randn(t, 1024, seed=50, device=CUDA_DEVICE, dtype=BF16), _randn(1024, seed=51, device=CUDA_DEVICE, dtype=BF16)
+    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=52, device=CUDA_DEVICE, dtype=BF16)
+    positions = torch.arange(t, device=CUDA_DEVICE)
+    cos_sin = _randn(64, d, seed=53, device=CUDA_DEVICE)
+    gate_up = _randn(128, 2 * 768, 1024, seed=54, device=CUDA_DEVICE, dtype=BF16)
+    down = _randn(128, 1024, 768, seed=55, device=CUDA_DEVICE, dtype=BF16)
+    weights, ids = _routing(t, 8, 128, seed=56, device=CUDA_DEVICE)
+    _, big_ids = _routing(4200, 8, 128, seed=57, device=CUDA_DEVICE)
+    q_att, tensors = _attention_case([1] * t, [100] * t, h, hkv, d, 16, 8, seed=58, device=CUDA_DEVICE, dtype=BF16)
+    q_pre, tensors_pre = _attention_case([20, 1], [40, 9], h, hkv, d, 16, 4, seed=59, device=CUDA_DEVICE, dtype=BF16)
     residual = x.clone()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -1422,7 +1422,7 @@ def test_kernel_linear_block_choice(m):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed):
+def _short_attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed):
     """Caches hold NaN wherever a request may not look, so any unmasked load shows up in the output."""
     g = torch.Generator().manual_seed(seed)
     b = len(q_lens)
@@ -1451,7 +1451,7 @@ def test_kernel_paged_attention_short_contexts_many_splits(monkeypatch, min_spli
     _poison_empty(monkeypatch)  # partials of unused splits and skipped merge rows must never be read
     # decode 5, decode 40, decode 300, padding row, a 3-token chunk on a 37-token context
     q_lens, seq_lens = [1, 1, 1, 1, 3], [5, 40, 300, 0, 40]
-    q, tensors = _attention_case(q_lens, seq_lens, h=4, hkv=2, d=32, page=16, max_blocks=20, seed=30)
+    q, tensors = _short_attention_case(q_lens, seq_lens, h=4, hkv=2, d=32, page=16, max_blocks=20, seed=30)
     scale = 32**-0.5
     out = kernels.paged_attention(q, *tensors, scale, max(q_lens), num_splits=16)
     ref = kernels.paged_attention_ref(q, *tensors, scale, max(q_lens))
@@ -1461,7 +1461,7 @@ def test_kernel_paged_attention_short_contexts_many_splits(monkeypatch, min_spli
 
 
 # ---------------------------------------------------------------------------------------------------
-# GPU: bf16 at the real shapes, and no host sync
+# CUDA_DEVICE: bf16 at the real shapes, and no host sync
 # ---------------------------------------------------------------------------------------------------
 
 # Both sides accumulate in float32 and round once to bf16 (8 mantissa bits): they may differ by one
