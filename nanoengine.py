@@ -637,6 +637,7 @@ class ModelRunner:
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.top_p = np.zeros(rows, dtype=np.float32)
         self.seed = np.zeros(rows, dtype=np.int64)
+        self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
         self.staging = Staging(self.device)
         self.graphs = None
         if not cfg.enforce_eager:
@@ -670,6 +671,7 @@ class ModelRunner:
         p = req.params
         self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
         self.top_k[row] = self.model.config.vocab_size if p.top_k == -1 else p.top_k
+        self.filtered[row] = p.top_k != -1 or p.top_p < 1
         return row
 
     def release(self, req: Request):
@@ -688,13 +690,14 @@ class ModelRunner:
             pos, seq_lens = starts, starts + 1
             slots = self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
             qsl = np.arange(len(reqs) + 1, dtype=np.int32)
-            sample = np.ones(len(reqs), dtype=bool)
+            sampling, srows, logits_indices, max_query_len = reqs, rows, qsl[:-1].astype(np.int64), 1
+            counters = seq_lens
         else:
             ids, pos, slots, qsl, seq_lens, sample = self._prepare_mixed(out, rows, starts)
-        sampling = [r for r, s in zip(reqs, out.samples) if s] if not out.is_decode else reqs
-        srows = rows[sample]
-        width = -(-int(seq_lens.max()) // bs)
-        logits_indices = (qsl[1:] - 1)[sample].astype(np.int64)
+            sampling = [r for r, s in zip(reqs, out.samples) if s]
+            srows, logits_indices = rows[sample], (qsl[1:] - 1)[sample].astype(np.int64)
+            max_query_len, counters = int((qsl[1:] - qsl[:-1]).max()), seq_lens[sample]
+        width = -(-int(seq_lens.max()) // bs)  # block-table columns this step needs
         # Inputs still on the device (async): PLACEHOLDERs, sampled by the step in flight. Their indices
         # travel in the same pinned copy as the rest; a pageable copy would wait for that step to finish.
         fills = np.flatnonzero(ids == PLACEHOLDER)
@@ -704,23 +707,21 @@ class ModelRunner:
             src = np.array([self.prev_rows[reqs[b]] for b in owners.tolist()], dtype=np.int64)
         else:
             fills = src = np.zeros(0, dtype=np.int64)
+        temperature = self.temperature[srows]
         ints64, ints32, floats = self.staging.to_device(
-            [ids, pos, slots, logits_indices, self.seed[srows], seq_lens[sample].astype(np.int64),
-             self.top_k[srows], fills, src],
+            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src],
             [qsl, seq_lens.astype(np.int32), self.table[rows, :width]],
-            [self.temperature[srows], self.top_p[srows]])
+            [temperature, self.top_p[srows]])
         batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
                       query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
-                      logits_indices=ints64[3], max_query_len=int((qsl[1:] - qsl[:-1]).max()))
+                      logits_indices=ints64[3], max_query_len=max_query_len)
         if steady:  # the async steady state: every input is the token the same row sampled last step
             batch.input_ids.copy_(self.prev_tokens)
         elif len(fills):
             batch.input_ids[ints64[7]] = self.prev_tokens[ints64[8]]
-        temp = self.temperature[srows]
         sbatch = SamplingBatch(temperature=floats[0], top_k=ints64[6], top_p=floats[1], seeds=ints64[4],
-                               counters=ints64[5], all_greedy=bool((temp == 0).all()),
-                               need_filter=bool(((self.top_k[srows] < self.model.config.vocab_size) |
-                                                 (self.top_p[srows] < 1)).any()))
+                               counters=ints64[5], all_greedy=not temperature.any(),
+                               need_filter=bool(self.filtered[srows].any()))
         return batch, sbatch, sampling
 
     def _prepare_mixed(self, out, rows, starts):
