@@ -578,10 +578,14 @@ class Staging:
     buffers and copied without blocking; two buffers alternate so the host can fill one while the
     other's copy may still be queued behind the step in flight (an event guards the reuse)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, sizes: dict):
         self.device, self.cuda, self.turn = device, device.type == "cuda", 0
         self.buffers = [{}, {}]
         self.events = [None, None]
+        if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
+            for buffers in self.buffers:
+                for dtype, n in sizes.items():
+                    buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
 
     def to_device(self, *groups: list) -> list[list[torch.Tensor]]:
         if not self.cuda:  # zero-copy views of the numpy arrays
@@ -638,7 +642,9 @@ class ModelRunner:
         self.top_p = np.zeros(rows, dtype=np.float32)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
-        self.staging = Staging(self.device)
+        T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
+        self.staging = Staging(self.device, {"int64": 6 * T + 4 * S, "int32": 2 * S + 1 + S * self.max_blocks_per_seq,
+                                             "float32": 2 * S})
         self.graphs = None
         if not cfg.enforce_eager:
             self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq,

@@ -927,7 +927,7 @@ def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch, triton_linear):
 
 
 @needs_cuda
-def test_gpu_async_loop_never_syncs_but_for_its_event():
+def test_gpu_async_loop_never_syncs_but_for_its_event(monkeypatch):
     """Between the event waits, a whole async step (plan, copy in, replay, sample, copy out) never blocks."""
     engine = nanoengine.Engine(model="tiny", async_scheduling=True, max_num_seqs=16, **GPU)
     for p in mixed_prompts(12, 4096, seed=21):
@@ -935,6 +935,15 @@ def test_gpu_async_loop_never_syncs_but_for_its_event():
     for _ in range(4):
         engine.step_async()
     torch.cuda.synchronize()
+    waited = []
+    real_sync = torch.cuda.Event.synchronize
+
+    def allowed_wait(event):  # the one wait async scheduling keeps: for the step before the one in flight
+        waited.append(event)
+        torch.cuda.set_sync_debug_mode("default")
+        real_sync(event)
+        torch.cuda.set_sync_debug_mode("error")
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", allowed_wait)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(10):
@@ -943,6 +952,7 @@ def test_gpu_async_loop_never_syncs_but_for_its_event():
             engine.step_async()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert len(waited) >= 10
     while engine.has_unfinished():
         engine.step_async()
     check_clean(engine)
