@@ -227,10 +227,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def _blocked(self, req: Request) -> bool:
-        """A request whose last allowed token is still in flight must not compute another."""
-        return req.num_pending > 0 and len(req.token_ids) >= req.max_len
-
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
         self._preempted = False
@@ -275,9 +271,10 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            if (req.num_pending and len(req.token_ids) >= req.max_len) or (self._preempted and req.status != RUNNING):
-                # (the first test is _blocked, inlined: this loop runs for every request every step)
-                continue
+            if req.num_pending and len(req.token_ids) >= req.max_len:
+                continue  # its last allowed token is still in flight: it must not compute another
+            if self._preempted and req.status != RUNNING:
+                continue  # preempted earlier in this loop
             if nc == len(req.block_ids) * bs and not self._grow(req, 1):
                 continue  # it was preempted itself
             add_req(req)

@@ -783,14 +783,20 @@ def test_async_equals_sync_on_random_workloads(seed, no_placeholder_hashed):
         assert PLACEHOLDER not in a[0] and len(a[0]) <= params[i].max_tokens
 
 
-def test_async_never_exceeds_max_tokens_and_drops_tokens_after_a_stop(no_placeholder_hashed):
+def test_async_never_exceeds_max_tokens_and_drops_tokens_after_a_stop(no_placeholder_hashed, monkeypatch):
     engine = Engine(model="tiny")
     p = [9, 8, 7, 6]
     want = run(engine, [p], greedy(10))[0].token_ids
     stop = want[4]
+    launched = []  # tokens launched for the request: never more than max_tokens
+    orig = scheduler.Scheduler.append_placeholders
+    monkeypatch.setattr(scheduler.Scheduler, "append_placeholders",
+                        lambda self, out: launched.extend(out.requests) or orig(self, out))
     for mt in (1, 2, 7):
+        launched.clear()
         o = run(engine, [p], greedy(mt), use_async=True)[0]
         assert o.token_ids == want[:mt] and o.finish_reason == "length"
+        assert len(launched) == mt, "a request whose last token was in flight was scheduled again"
     o = run(engine, [p], greedy(10, stop_token_ids=[stop]), use_async=True)[0]
     assert o.token_ids == want[:want.index(stop) + 1] and o.finish_reason == "stop"
     check_clean(engine)
