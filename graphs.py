@@ -12,6 +12,7 @@ replays fixed addresses and fixed grids, so:
 On the CPU there are no graphs: the same static-buffer path runs eagerly, so CI tests its logic.
 Imports: nanoengine's Batch (lazily, to keep the dependency one way: nanoengine imports this file).
 """
+import gc
 import time
 
 import torch
@@ -63,8 +64,11 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self):
         """Largest bucket first, so the smaller graphs fit in the memory pool the first one reserved."""
+        gc.collect()  # so that no dropped object is freed mid-measurement
         torch.cuda.synchronize()
-        free_before, t0, pool = torch.cuda.mem_get_info()[0], time.perf_counter(), None
+        # Reserved, not free, memory: the graphs' pool is reserved by the caching allocator, and frees of
+        # unrelated tensors during capture do not lower it.
+        reserved, t0, pool = torch.cuda.memory_reserved(), time.perf_counter(), None
         for b in reversed(self.buckets):
             self.forward(b)  # warm up: compile Triton kernels, let cuBLAS pick its algorithms
             torch.cuda.synchronize()
@@ -79,7 +83,7 @@ class GraphRunner:
             self.graphs[b] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = free_before - torch.cuda.mem_get_info()[0]
+        self.capture_bytes = torch.cuda.memory_reserved() - reserved
 
     def can_run(self, out) -> bool:
         """Only decode-only steps (one token per request, each sampling) that fit the largest bucket."""
