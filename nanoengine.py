@@ -750,16 +750,19 @@ class ModelRunner:
         batch, sbatch, sampling = self.prepare(out)
         t0 = time.perf_counter()
         start = self.stats.gpu_start()
+        tokens = self.forward_and_sample(out, batch, sbatch)  # its activations are freed on return
+        self.stats.gpu_end(start)
+        self.stats.forward_s += time.perf_counter() - t0
+        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
+        return tokens
+
+    def forward_and_sample(self, out, batch: Batch, sbatch: SamplingBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(out):
             logits = self.graphs.run(batch)
         else:
             hidden = self.model(batch, self.kv_cache)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        tokens = sample(logits, sbatch)
-        self.stats.gpu_end(start)
-        self.stats.forward_s += time.perf_counter() - t0
-        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
-        return tokens
+        return sample(logits, sbatch)
 
     @property
     def prev_rows(self) -> dict:
