@@ -774,10 +774,11 @@ class ModelRunner:
 
 class StepStats:
     """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
-    (so: scheduling, batch building, bookkeeping). On CUDA, events measure each step's device time."""
+    (so: scheduling, batch building, bookkeeping). With gpu_timing on (CUDA, benchmarks only), a pair of
+    events per step measures its device time; off by default, so a long-running engine creates none."""
 
     def __init__(self, cuda: bool):
-        self.cuda = cuda
+        self.cuda, self.gpu_timing = cuda, False
         self.reset()
 
     def reset(self):
@@ -790,7 +791,7 @@ class StepStats:
         return self.total_s - self.forward_s - self.wait_s
 
     def gpu_start(self):
-        if not self.cuda:
+        if not (self.cuda and self.gpu_timing):
             return None
         event = torch.cuda.Event(enable_timing=True)
         event.record()

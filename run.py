@@ -126,6 +126,7 @@ def run_engine(engine: Engine, prompts, params) -> dict:
             break
     sync(engine)
     engine.stats.reset()
+    engine.stats.gpu_timing = True  # device time per decode step, for gpu_ms_per_step
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for o in step():
