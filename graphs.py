@@ -66,6 +66,7 @@ class GraphRunner:
         """Largest bucket first, so the smaller graphs fit in the memory pool the first one reserved."""
         gc.collect()  # so that no dropped object is freed mid-measurement
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache on entry: do it before measuring
         # Reserved, not free, memory: the graphs' pool is reserved by the caching allocator, and frees of
         # unrelated tensors during capture do not lower it.
         reserved, t0, pool = torch.cuda.memory_reserved(), time.perf_counter(), None

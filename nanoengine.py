@@ -849,6 +849,7 @@ class Engine:
             self.model.lm_head.weight.element_size()
         if not self.cfg.device.startswith("cuda"):
             return max(16, CPU_KV_BYTES // per_block)
+        torch.cuda.empty_cache()  # fusing freed the unfused weights into torch's cache: count them as free
         free, total = torch.cuda.mem_get_info()
         budget = total * self.cfg.gpu_memory_utilization - (total - free) - CUDA_HEADROOM_BYTES
         if budget < per_block:

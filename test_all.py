@@ -43,6 +43,15 @@ def LLM(model="tiny", **kw):
 
 GPU = dict(device="cuda", num_blocks=2048)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def sync_debug_mode_restored():
+    """A test that leaves torch's sync check on fails itself, instead of every CUDA test after it."""
+    yield
+    if CUDA and torch.cuda.get_sync_debug_mode() != 0:
+        torch.cuda.set_sync_debug_mode("default")
+        pytest.fail("the test left torch.cuda.set_sync_debug_mode on")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ==========================================================================================================
@@ -946,9 +955,10 @@ def test_gpu_async_loop_never_syncs_but_for_its_event(monkeypatch):
 
     def allowed_wait(event):  # the one wait async scheduling keeps: for the step before the one in flight
         waited.append(event)
+        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("default")
         real_sync(event)
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode(mode)  # "error" inside the checked loop, "default" after it
     monkeypatch.setattr(torch.cuda.Event, "synchronize", allowed_wait)
     torch.cuda.set_sync_debug_mode("error")
     try:
