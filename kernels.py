@@ -1197,17 +1197,18 @@ def _check_linear_args(x, weight, bias) -> None:
                          f"{None if bias is None else bias.dtype}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           max_rows: int = LINEAR_MAX_M) -> torch.Tensor:
     """x [..., K] (last dim contiguous) @ weight [N, K].T + bias [N] -> [..., N] in x's dtype.
 
-    For decode: with at most LINEAR_MAX_M rows the matmul is a pass over the weight, and one program per
-    few weight rows streams it at close to full bandwidth (cuBLAS reaches ~30% of it at M = 1..16).
-    More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows."""
+    For decode: with at most max_rows (<= LINEAR_MAX_M) rows the matmul is a pass over the weight, and one
+    program per few weight rows streams it at close to full bandwidth (cuBLAS reaches ~30% of it on small
+    matrices). More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows."""
     _check_linear_args(x, weight, bias)
     n, k = weight.shape
     x2 = x.reshape(-1, k)  # [M, K], a view for the usual contiguous x
     m = x2.shape[0]
-    if m > LINEAR_MAX_M:
+    if m > min(max_rows, LINEAR_MAX_M):
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:

@@ -71,7 +71,7 @@ def cmd_overhead(a):
         if c not in CONFIGS:
             raise ValueError(f"--configs has {c!r}; choose from {', '.join(CONFIGS)}")
     base = dict(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.slots or a.requests,
-                num_blocks=a.num_blocks, triton_linear=a.triton_linear)
+                num_blocks=a.num_blocks, triton_linear_rows=a.triton_linear_rows)
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     header, records, reference, fused_reference = None, [], None, None
     for name in names:
@@ -109,7 +109,7 @@ def overhead_header(engine: Engine, a, device: str) -> dict:
     floor = floor_seconds(engine, a.requests, context, a.bandwidth)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests,
-                triton_linear=a.triton_linear,
+                triton_linear_rows=a.triton_linear_rows,
                 prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {a.bandwidth / 1e12:.2f} TB/s")
 
@@ -162,7 +162,7 @@ def cmd_generate(a):
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)
     engine = Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                                 triton_linear=a.triton_linear))
+                                 triton_linear_rows=a.triton_linear_rows))
     engine.add_request(prompt, params)
     outs = []
     while engine.has_unfinished():
@@ -180,7 +180,7 @@ def cmd_bench(a):
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
                                  async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
-                                 triton_linear=a.triton_linear))
+                                 triton_linear_rows=a.triton_linear_rows))
     rng = random.Random(a.seed)
     vocab = engine.model.config.vocab_size
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(a.min_len, a.max_len))],
@@ -232,7 +232,7 @@ def cmd_profile(a):
         if name not in CONFIGS:
             raise ValueError(f"--configs has {name!r}; choose from {', '.join(CONFIGS)}")
         engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
-                                     triton_linear=a.triton_linear, **CONFIGS[name]))
+                                     triton_linear_rows=a.triton_linear_rows, **CONFIGS[name]))
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=a.steps + 20, ignore_eos=True))
@@ -510,7 +510,8 @@ def parse_args(argv=None):
     common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="bytes/s for the floor")
-    common.add_argument("--triton-linear", action="store_true", help="decode-sized matmuls in Triton, not cuBLAS")
+    common.add_argument("--triton-linear-rows", type=int, default=None,
+                        help="matmuls of up to N rows (0-16) in Triton, not cuBLAS (default: 1 on CUDA, 0 on the CPU)")
     g = sub.add_parser("generate", parents=[common], help="generate from one prompt")
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")

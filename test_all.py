@@ -617,17 +617,17 @@ def test_fused_equals_unfused_and_costs_no_memory(preset):
     assert nanoengine.param_bytes(model) == before
 
 
-@pytest.mark.parametrize("triton_linear", [False, True])
-def test_triton_kernels_end_to_end_equal_unfused(tmp_path, triton_linear):
+@pytest.mark.parametrize("rows", [0, 16])
+def test_triton_kernels_end_to_end_equal_unfused(tmp_path, rows):
     """The whole fused forward on the Triton kernels (the interpreter on the CPU), MoE included."""
     cfg, sd = checkpoint("qwen3_moe", seed=12)
     folder = save_checkpoint(tmp_path / "moe", cfg, sd)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]]
     dev = dict(device="cuda", dtype="float32", num_blocks=256) if CUDA else {}  # interpreter on the CPU
     unfused = LLM(model=folder, fuse=False, **dev).generate(prompts, greedy(3))
-    llm = LLM(model=folder, fuse=True, triton=True, triton_linear=triton_linear, **dev)
+    llm = LLM(model=folder, fuse=True, triton=True, triton_linear_rows=rows, **dev)
     assert llm.engine.model.ops.paged_attention is kernels.paged_attention
-    assert (llm.engine.model.ops.linear is kernels.linear) == triton_linear
+    assert (getattr(llm.engine.model.ops.linear, "func", None) is kernels.linear) == (rows > 0)
     triton_out = llm.generate(prompts, greedy(3))
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in unfused]
     assert [o.token_ids for o in unfused] == [ref_greedy(sd, cfg, p, 3) for p in prompts]
@@ -932,11 +932,11 @@ def test_gpu_fused_forward_never_syncs(preset):
 
 @needs_cuda
 @pytest.mark.parametrize("arch", ARCH_NAMES)
-@pytest.mark.parametrize("triton_linear", [False, True])
-def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch, triton_linear):
+@pytest.mark.parametrize("rows", [0, 1, 16])
+def test_gpu_triton_float32_matches_reference(ckpt_dirs, arch, rows):
     cfg, sd, folder = ckpt_dirs[arch]
     prompts = mixed_prompts(8, cfg["vocab_size"], seed=1)
-    llm = nanoengine.LLM(model=folder, dtype="float32", triton_linear=triton_linear, **GPU)
+    llm = nanoengine.LLM(model=folder, dtype="float32", triton_linear_rows=rows, **GPU)
     outs = llm.generate(prompts, greedy(6))
     assert [o.token_ids for o in outs] == [ref_greedy(sd, cfg, p, 6) for p in prompts]
 
@@ -1414,6 +1414,16 @@ def test_kernel_linear_above_max_m_falls_back_to_f_linear():
     m = kernels.LINEAR_MAX_M + 1
     x, w, bias = _randn(m, 200, seed=12), _randn(70, 200, seed=13), _randn(70, seed=14)
     assert torch.equal(kernels.linear(x, w, bias), F.linear(x, w, bias))
+    assert torch.equal(kernels.linear(x[:2], w, bias, max_rows=1), F.linear(x[:2], w, bias))  # the engine's cap
+
+
+def test_triton_linear_rows_setting():
+    """Default: Triton matmuls for one row on CUDA only; out of range is refused by name."""
+    assert nanoengine.EngineConfig(device="cpu", triton=True).triton_linear_rows == 0
+    if CUDA:
+        assert nanoengine.EngineConfig(device="cuda").triton_linear_rows == 1
+    with pytest.raises(ValueError, match="triton_linear_rows=17 is invalid"):
+        nanoengine.EngineConfig(device="cpu", triton_linear_rows=17)
 
 
 def test_kernel_linear_empty():
