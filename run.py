@@ -93,6 +93,9 @@ def cmd_overhead(a):
         if device.startswith("cuda"):
             rec["gpu_ms_per_step"] = round(1e3 * r["gpu_s"] / steps, 3)
             rec["x_floor"] = round(r["wall"] / steps / header["floor_ms"] * 1e3, 2)
+            # Wall time not covered by any step's device time (start event to end event): the GPU waiting
+            # for the host between steps. Measured without a profiler, which would slow the host.
+            rec["idle_between_steps_pct"] = round(100 * max(0.0, 1 - r["gpu_s"] / r["wall"]), 1)
         rec["same_tokens"] = r["outputs"] == reference
         if name != "eager":  # in bf16, fused kernels round differently from eager torch ops; the fused
             rec["same_as_fused"] = r["outputs"] == fused_reference  # configs must still agree exactly
@@ -240,7 +243,10 @@ def cmd_profile(a):
         for _ in range(8):  # prefill and warm-up decode steps, outside the trace
             step()
         sync(engine)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        # On CUDA, kernels only unless asked: tracing every CPU op slows the host several-fold, and with it
+        # the very idle time between steps that the summary measures.
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.with_cpu else []) if cuda \
+            else [ProfilerActivity.CPU]
         with profile(activities=acts) as prof:
             for _ in range(a.steps):
                 step()
@@ -541,6 +547,7 @@ def parse_args(argv=None):
     r.add_argument("--steps", type=positive, default=10)
     r.add_argument("--configs", default=None)
     r.add_argument("--out", default="traces")
+    r.add_argument("--with-cpu", action="store_true", help="on CUDA, trace the host's ops too (slows the host)")
     k = sub.add_parser("kernels", parents=[common], help="Triton kernels vs torch references (CUDA)")
     k.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(KERNEL_GROUPS)}")
     return p.parse_args(argv)
