@@ -72,6 +72,7 @@ def cmd_overhead(a):
             raise ValueError(f"--configs has {c!r}; choose from {', '.join(CONFIGS)}")
     base = dict(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.slots or a.requests,
                 num_blocks=a.num_blocks, triton_linear_rows=a.triton_linear_rows)
+    EngineConfig(**base)  # bad settings fail here, as one line, before any progress is printed
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     header, records, reference, fused_reference = None, [], None, None
     for name in names:
@@ -112,7 +113,7 @@ def overhead_header(engine: Engine, a, device: str) -> dict:
     floor = floor_seconds(engine, a.requests, context, a.bandwidth)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests,
-                triton_linear_rows=a.triton_linear_rows,
+                triton_linear_rows=engine.cfg.triton_linear_rows,
                 prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {a.bandwidth / 1e12:.2f} TB/s")
 
@@ -183,6 +184,7 @@ def cmd_bench(a):
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
                                  async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
+                                 max_num_batched_tokens=a.max_num_batched_tokens,
                                  triton_linear_rows=a.triton_linear_rows))
     rng = random.Random(a.seed)
     vocab = engine.model.config.vocab_size
@@ -191,6 +193,7 @@ def cmd_bench(a):
                             seed=i)) for i in range(a.num_requests)]
     run_engine(engine, [[1, 2, 3]], SamplingParams(max_tokens=4))  # warm up
     engine.stats.reset()
+    engine.stats.gpu_timing = True  # device time per step: how much of the run the GPU was busy
     for p, sp in reqs:
         engine.add_request(p, sp)
     step = engine.step_async if engine.cfg.async_scheduling else engine.step
@@ -210,6 +213,7 @@ def cmd_bench(a):
               wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
               total_tok_s=round((out_tokens + prompt_tokens) / wall, 1), steps=engine.stats.steps,
               host_ms_per_step=round(1e3 * engine.stats.host_s / max(engine.stats.steps, 1), 3),
+              gpu_busy_pct=round(100 * engine.stats.gpu_seconds() / wall, 1) if device.startswith("cuda") else None,
               floor_s=round(bench_floor(engine, reqs, a.bandwidth), 2)))
 
 
@@ -268,8 +272,12 @@ def trace_summary(path: str, steps: int, cuda: bool) -> dict:
         return dict(note="CPU run: no GPU timeline")
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                     if e.get("cat") == "kernel" and "dur" in e)
+    kernel_events = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernel_events)
+    by_name = {}  # where the busy time goes: the kernels that take most of a step
+    for e in kernel_events:
+        by_name[e["name"][:60]] = by_name.get(e["name"][:60], 0.0) + e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     if not kernels:
         return dict(note="no kernels in the trace")
     busy, gaps, end = 0.0, [], kernels[0][0]
@@ -284,9 +292,11 @@ def trace_summary(path: str, steps: int, cuda: bool) -> dict:
                 gpu_idle_pct=round(100 * (1 - busy / span), 2),
                 idle_between_steps_pct=round(100 * waiting / span, 2),
                 idle_within_steps_pct=round(100 * (span - busy - waiting) / span, 2),
-                mean_gap_us=round(sum(gaps) / max(len(gaps), 1), 2), span_ms_per_step=round(span / steps / 1e3, 3))
+                mean_gap_us=round(sum(gaps) / max(len(gaps), 1), 2), span_ms_per_step=round(span / steps / 1e3, 3),
+                top_kernels_us_per_step={name: round(us / steps, 1) for name, us in top})
 
 
+TOP_KERNELS = 6
 STEP_GAP_US = 2.0  # longer than any launch-to-launch gap inside a replayed graph (measured 0.5-1 us)
 
 
@@ -539,6 +549,8 @@ def parse_args(argv=None):
     b.add_argument("--min-len", type=positive, default=100)
     b.add_argument("--max-len", type=positive, default=1024)
     b.add_argument("--max-num-seqs", type=positive, default=256)
+    b.add_argument("--max-num-batched-tokens", type=positive, default=16384,
+                   help="tokens per step (nano-vllm's default): prompts go in a few large chunks")
     b.add_argument("--sync", action="store_true", help="sync scheduling (default: async)")
     b.add_argument("--enforce-eager", action="store_true", default=None)
     r = sub.add_parser("profile", parents=[common], help="Chrome traces of decode steps per configuration")

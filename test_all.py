@@ -856,8 +856,24 @@ def test_cli_generate_and_bench_and_profile(tmp_path):
     assert r.returncode == 0 and os.path.exists(json.loads(r.stdout)["trace"])
 
 
+def test_profile_summary_splits_idle_time(tmp_path):
+    """Two steps of kernels: 1 us gaps inside a step, a 10 us wait between them."""
+    sys.path.insert(0, HERE)
+    import run
+    k = lambda name, ts, dur: dict(cat="kernel", name=name, ts=ts, dur=dur)
+    trace = [k("gemm", 0, 4), k("norm", 5, 1), k("gemm", 16, 4), k("norm", 21, 1), dict(cat="cpu_op", ts=0)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": trace}))
+    s = run.trace_summary(str(path), steps=2, cuda=True)  # span 22 us, busy 10, idle 1 + 10 + 1
+    assert s["kernels_per_step"] == 2 and s["gpu_busy"] == round(10 / 22, 4)
+    assert s["idle_between_steps_pct"] == round(100 * 10 / 22, 2)
+    assert s["idle_within_steps_pct"] == round(100 * 2 / 22, 2)
+    assert s["top_kernels_us_per_step"] == {"gemm": 4.0, "norm": 1.0}
+
+
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens=0"),
+    (["overhead", "--triton-linear-rows", "17"], "triton_linear_rows=17"),
     (["generate", "--prompt-ids", "1,x"], "--prompt-ids"),
     (["generate", "--model", "/no/such/dir", "--prompt-ids", "1"], "neither a folder nor a preset"),
     (["generate", "--prompt", "hi"], "no tokenizer"),
