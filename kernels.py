@@ -656,6 +656,8 @@ def write_kv_ref(
 def _rope_heads(
     x_ptr,  # this token's first head
     stride_h,
+    out_ptr,  # where the rotated heads go: x_ptr itself, or the token's KV-cache slot
+    out_stride_h,
     norm_ptr,  # [D] RMSNorm weight (read only when HAS_NORM)
     cos,  # [HALF] float32
     sin,  # [HALF] float32
@@ -677,14 +679,20 @@ def _rope_heads(
         x2 = x2 * inv_rms[:, None] * tl.load(norm_ptr + HALF + dims).to(tl.float32)[None, :]
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(ptrs1, out1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptrs1 + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + heads[:, None] * out_stride_h + dims[None, :]
+    tl.store(out_ptrs, out1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs + HALF, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
     q_ptr,  # [T, H, D] strided view, rotated in place
-    k_ptr,  # [T, Hkv, D] strided view, rotated in place
+    k_ptr,  # [T, Hkv, D] strided view, rotated in place (or into the cache when WRITE_KV)
+    v_ptr,  # [T, Hkv, D] strided view (read only when WRITE_KV)
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] contiguous (only when WRITE_KV)
+    v_cache_ptr,
+    slot_mapping_ptr,  # [T] slot = block * block_size + offset; -1 = padding row
+    scratch_slot,  # first slot of the last (never handed out) block
     positions_ptr,  # [T]
     cos_sin_ptr,  # [max_pos, D] float32: cos in the first half, sin in the second
     q_norm_ptr,  # [D]
@@ -693,6 +701,8 @@ def _rope_kernel(
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_cs,
     eps,
     NUM_Q_HEADS: tl.constexpr,
@@ -701,18 +711,32 @@ def _rope_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,  # D // 2
     HAS_NORM: tl.constexpr,
+    WRITE_KV: tl.constexpr,  # store rotated k and v at the token's cache slot instead of k in place
 ):
     # One program per token does every q and k head: cos/sin are loaded once and the whole
-    # norm + rotate chain is one launch instead of several per layer.
+    # norm + rotate (+ KV-cache write) chain is one launch instead of several per layer.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + dims).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims).to(tl.float32)
-    _rope_heads(q_ptr + t * stride_qt, stride_qh, q_norm_ptr, cos, sin, eps,
+    _rope_heads(q_ptr + t * stride_qt, stride_qh, q_ptr + t * stride_qt, stride_qh, q_norm_ptr, cos, sin, eps,
                 NUM_Q_HEADS, Q_HEADS_PAD, HALF, HAS_NORM)
-    _rope_heads(k_ptr + t * stride_kt, stride_kh, k_norm_ptr, cos, sin, eps,
-                NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM)
+    if WRITE_KV:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows (graph filler) go to the scratch block
+        cache_off = slot * (NUM_KV_HEADS * 2 * HALF)
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + cache_off, 2 * HALF, k_norm_ptr, cos, sin,
+                    eps, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM)
+        heads = tl.arange(0, KV_HEADS_PAD)
+        all_dims = tl.arange(0, 2 * HALF)
+        mask = (heads < NUM_KV_HEADS)[:, None]
+        v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + all_dims[None, :], mask=mask)
+        tl.store(v_cache_ptr + cache_off + heads[:, None] * (2 * HALF) + all_dims[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh, k_norm_ptr, cos, sin,
+                    eps, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM)
 
 
 def _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight) -> None:
@@ -746,18 +770,28 @@ def rope(
     """In place on q [T, H, D] and k [T, Hkv, D] (strided views are fine): optional per-head RMSNorm,
     then rotate_half RoPE with cos = cos_sin_cache[pos, :D/2], sin = cos_sin_cache[pos, D/2:]."""
     _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
+    if q.shape[0] == 0:
+        return
+    _launch_rope(q, k, None, None, None, None, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+
+
+def _launch_rope(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
+                 k_norm_weight, eps) -> None:
     t, h, d = q.shape
     hkv = k.shape[1]
-    if t == 0:
-        return
+    write_kv = k_cache is not None
     has_norm = q_norm_weight is not None
     q_pad, kv_pad = _next_pow2(h), _next_pow2(hkv)
     _rope_kernel[(t,)](
-        q, k, positions, cos_sin_cache,
+        q, k, v if write_kv else k, k_cache if write_kv else k, v_cache if write_kv else k,
+        slot_mapping if write_kv else positions,
+        (k_cache.shape[0] - 1) * k_cache.shape[1] if write_kv else 0,
+        positions, cos_sin_cache,
         q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0) if write_kv else 0, v.stride(1) if write_kv else 0, cos_sin_cache.stride(0), eps,
         NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_HEADS_PAD=q_pad, KV_HEADS_PAD=kv_pad, HALF=d // 2,
-        HAS_NORM=has_norm, num_warps=_elementwise_warps((q_pad + kv_pad) * d),
+        HAS_NORM=has_norm, WRITE_KV=write_kv, num_warps=_elementwise_warps((q_pad + 2 * kv_pad) * d),
     )
 
 
@@ -783,6 +817,48 @@ def rope_ref(
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     _rope_one_ref(q, cos, sin, q_norm_weight, eps)
     _rope_one_ref(k, cos, sin, k_norm_weight, eps)
+
+
+def rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """rope() on q in place, and rope() on k written straight to its KV-cache slot with v beside it: the
+    attention block's elementwise work in one launch (k itself is left as it was). Slot -1 rows go to the
+    scratch block, as in write_kv."""
+    _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
+    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    if q.shape[0] == 0:
+        return
+    _launch_rope(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
+                 k_norm_weight, eps)
+
+
+def rope_write_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    k = k.clone()  # the kernel leaves k as it was
+    rope_ref(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -206,7 +206,7 @@ class EngineConfig:
 # ----------------------------------------------------------------------------------------------------------
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "fused_moe", "write_kv", "rope", "paged_attention")
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "fused_moe", "rope_write_kv", "paged_attention")
 
 
 def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
@@ -281,8 +281,9 @@ class Attention(nn.Module):
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         qn = self.q_norm.weight if hasattr(self, "q_norm") else None
         kn = self.k_norm.weight if hasattr(self, "k_norm") else None
-        ops.rope(q, k, batch.positions, cos_sin, qn, kn, self.eps)  # in place: (per-head norm), rotary
-        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        # q rotated in place; k rotated into its cache slot, v beside it ((per-head norm), rotary, store)
+        ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn,
+                          self.eps)
         o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
                                 batch.block_table, self.scale, batch.max_query_len)  # (T, H, D)
         return linear(ops, self.o_proj, o.view(T, H * D))

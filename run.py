@@ -369,6 +369,11 @@ def _bench_elementwise(out_lines, t: int) -> None:
     slots = torch.randperm((num_blocks - 1) * PAGE_SIZE, device=dev)[:t]
     _report(out_lines, "write_kv", shape, lambda: kernels.write_kv(k, v, k_cache, v_cache, slots),
             lambda: kernels.write_kv_ref(k, v, k_cache, v_cache, slots), 4 * t * hkv * d * BYTES)
+    # What the engine runs: both of the above in one launch (k goes to the cache, not back to qkv).
+    _report(out_lines, "rope_write_kv", shape,
+            lambda: kernels.rope_write_kv(q, k, v, k_cache, v_cache, slots, positions, cos_sin, qn, kn),
+            lambda: kernels.rope_write_kv_ref(q, k, v, k_cache, v_cache, slots, positions, cos_sin, qn, kn),
+            2 * t * h * d * BYTES + 4 * t * hkv * d * BYTES + t * d * 4)
 
 
 def _moe_loop(x, gate_up, down, topk_weights, topk_ids):

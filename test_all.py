@@ -1187,6 +1187,34 @@ def test_kernel_rope(with_norm, t, h, hkv, d):
     assert torch.equal(qkv[:, (h + hkv) * d :], _randn(t, (h + 2 * hkv) * d, seed=18)[:, (h + hkv) * d :])
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_kernel_rope_write_kv(with_norm):
+    """The fused launch: q rotated in place, rotated k and v stored at their slots (padding to scratch),
+    and nothing else changed: not k, not v, not any other slot of a real block."""
+    t, h, hkv, d, num_blocks, page = 6, 6, 2, 32, 5, 4  # block 4 is the scratch block
+    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=23)
+    qkv_ref, q_ref, k_ref, v_ref = _qkv_views(t, h, hkv, d, seed=23)
+    positions = torch.randint(0, 64, (t,), generator=_gen(24)).to(DEVICE)
+    cos_sin = _randn(64, d, seed=25)
+    norms = (_randn(d, seed=26), _randn(d, seed=27)) if with_norm else (None, None)
+    slots = torch.tensor([0, 7, -1, 13, -1, 2], device=DEVICE)
+    k_cache, v_cache = _randn(num_blocks, page, hkv, d, seed=28), _randn(num_blocks, page, hkv, d, seed=29)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    kernels.rope_write_kv(q, k, v, k_cache, v_cache, slots, positions, cos_sin, *norms, eps=1e-6)
+    kernels.rope_write_kv_ref(q_ref, k_ref, v_ref, ref_k, ref_v, slots, positions, cos_sin, *norms, eps=1e-6)
+    torch.testing.assert_close(qkv, qkv_ref, **F32_TOL)
+    assert torch.equal(qkv[:, h * d:], _randn(t, (h + 2 * hkv) * d, seed=23)[:, h * d:]), "k and v untouched"
+    real_slots = (num_blocks - 1) * page
+    torch.testing.assert_close(k_cache.view(-1, hkv, d)[:real_slots], ref_k.view(-1, hkv, d)[:real_slots],
+                               **F32_TOL)
+    assert torch.equal(v_cache.view(-1, hkv, d)[:real_slots], ref_v.view(-1, hkv, d)[:real_slots])
+    untouched = torch.ones(real_slots, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    assert torch.equal(k_cache.view(-1, hkv, d)[:real_slots][untouched],
+                       _randn(num_blocks, page, hkv, d, seed=28).view(-1, hkv, d)[:real_slots][untouched])
+    assert any(torch.equal(v_cache[-1, 0], v[i]) for i in (2, 4)), "padding rows land in scratch"
+
+
 # ---------------------------------------------------------------------------------------------------
 # Paged attention
 # ---------------------------------------------------------------------------------------------------
@@ -1292,6 +1320,13 @@ def test_kernel_gpu_elementwise_bf16():
     assert torch.equal(k_cache.view(-1, hkv, d)[slots[real]], k[real])
     assert torch.equal(v_cache.view(-1, hkv, d)[slots[real]], v[real])
     assert k_cache[:64].isnan().sum() == (64 * 16 - int(real.sum())) * hkv * d, "only the real slots change"
+    q2, q2_ref = q_ref.clone(), q_ref.clone()  # the fused launch, from the same (already rotated) inputs
+    caches, caches_ref = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+    kernels.rope_write_kv(q2, k, v, *caches, slots, positions, cos_sin, *norms)
+    kernels.rope_write_kv_ref(q2_ref, k, v, *caches_ref, slots, positions, cos_sin, *norms)
+    torch.testing.assert_close(q2, q2_ref, **BF16_ELEMENTWISE_TOL)
+    for c, c_ref in zip(caches, caches_ref):
+        torch.testing.assert_close(c[:64], c_ref[:64], equal_nan=True, **BF16_ELEMENTWISE_TOL)
 
 
 @needs_cuda
@@ -1346,6 +1381,7 @@ def test_kernel_gpu_no_host_sync():
         kernels.silu_and_mul(qkv)
         kernels.rope(q, k, positions, cos_sin, w[:d], w[:d])
         kernels.write_kv(k, v, tensors[0], tensors[1], positions)
+        kernels.rope_write_kv(q, k, v, tensors[0], tensors[1], positions, positions, cos_sin, w[:d], w[:d])
         kernels.moe_align(ids, 128, 16)
         kernels.moe_align(big_ids, 128, 64)  # above the kernel threshold: the torch path
         kernels.moe_align_ref(ids, 128, 16)
