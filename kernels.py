@@ -11,8 +11,8 @@ Rules every launcher keeps:
   * loads are upcast to float32 before any arithmetic and results are cast back once, at the store;
   * pointer offsets that can pass 2**31 (cache slots, expert weights) are computed in int64.
 
-This file imports nothing from the rest of nanoengine. Tests: test_kernels_part.py
-(on a CPU run them with TRITON_INTERPRET=1).
+This file imports nothing from the rest of nanoengine. Tests: the kernel section of test_all.py
+(on a CPU they run in the Triton interpreter, TRITON_INTERPRET=1).
 """
 
 import functools
@@ -262,6 +262,76 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoE routing: softmax over the router's logits, top-k experts, optional renormalisation, in one launch
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr,  # [T, E] router logits, contiguous
+    weights_ptr,  # [T, TOP_K] out: routing weights, in the logits' dtype
+    ids_ptr,  # [T, TOP_K] out: expert ids (int64), best first
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,  # divide the k weights by their sum (Qwen3-MoE's norm_topk_prob)
+):
+    # One program per token. torch needs five launches for this (float cast, softmax, topk, sum, divide),
+    # each a few microseconds at decode, in every MoE layer; here k rounds of max over E values.
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_PAD)
+    x = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS,
+                other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)  # [EXPERTS_PAD] softmax; padding lanes are 0
+    ks = tl.arange(0, K_PAD)
+    top_w = tl.zeros([K_PAD], dtype=tl.float32)
+    top_ids = tl.zeros([K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):  # pick the best, then knock it out
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, experts, EXPERTS_PAD), axis=0)  # lowest id on a tie
+        top_w = tl.where(ks == j, best, top_w)
+        top_ids = tl.where(ks == j, idx.to(tl.int64), top_ids)
+        p = tl.where(experts == idx, -1.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    mask = ks < TOP_K
+    tl.store(weights_ptr + t * TOP_K + ks, top_w.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + t * TOP_K + ks, top_ids, mask=mask)
+
+
+def _check_moe_route_args(logits, top_k) -> None:
+    if logits.dim() != 2 or not logits.is_contiguous():
+        raise ValueError(f"router logits must be a contiguous [T, E] matrix, got {tuple(logits.shape)}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, E={logits.shape[1]}]")
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k] int64), best first:
+    softmax in float32, the top k, and with renormalize the k weights divided by their sum."""
+    _check_moe_route_args(logits, top_k)
+    t, e = logits.shape
+    weights = torch.empty((t, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t:
+        _moe_route_kernel[(t,)](logits, weights, ids, NUM_EXPERTS=e, EXPERTS_PAD=_next_pow2(e), TOP_K=top_k,
+                                K_PAD=_next_pow2(top_k), RENORM=renormalize, num_warps=1)
+    return weights, ids
+
+
+def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """As Hugging Face's Qwen3-MoE block does it."""
+    _check_moe_route_args(logits, top_k)
+    probs = torch.softmax(logits.float(), dim=-1)  # (T, E)
+    weights, ids = probs.topk(top_k, dim=-1)       # (T, k)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -206,7 +206,7 @@ class EngineConfig:
 # ----------------------------------------------------------------------------------------------------------
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "fused_moe", "rope_write_kv", "paged_attention")
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "moe_route", "fused_moe", "rope_write_kv", "paged_attention")
 
 
 def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
@@ -325,11 +325,8 @@ class MoE(nn.Module):
         del self.experts
 
     def forward(self, x, ops):
-        probs = F.softmax(linear(ops, self.gate, x).float(), dim=-1)  # (T, E), float32 as HF does
-        weights, ids = probs.topk(self.top_k, dim=-1)                # (T, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        # softmax in float32 as HF does, top k, renormalised if the config says so: (T, k) each
+        weights, ids = ops.moe_route(linear(ops, self.gate, x), self.top_k, self.norm_topk_prob)
         if hasattr(self, "w_gate_up"):
             return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
         # Unfused: one small matmul chain per expert that got tokens (and a host sync per expert to know).

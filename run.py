@@ -402,6 +402,9 @@ def _bench_moe(out_lines, n: int, weights) -> None:
     _report(out_lines, "fused_moe", dict(tokens=n, experts_touched=touched),
             lambda: kernels.fused_moe(*args), lambda: kernels.fused_moe_ref(*args), floor_bytes,
             ref_graph=False, loop_us=round(loop_us, 2))
+    logits = scores.to(BF16)
+    _report(out_lines, "moe_route", dict(tokens=n), lambda: kernels.moe_route(logits, top_k, True),
+            lambda: kernels.moe_route_ref(logits, top_k, True), n * e * BYTES + n * top_k * (8 + BYTES))
 
 
 def _bench_decode_attention(out_lines, b: int, ctx: int, width: int = 0) -> None:

@@ -1113,6 +1113,18 @@ def _moe_canonical(sorted_ids, block_expert, block_m):
     return (expert_of_slot * (2**32) + sorted_ids.long()).sort().values
 
 
+@pytest.mark.parametrize("t,num_experts,top_k", [(1, 8, 2), (5, 6, 3), (7, 128, 8)])  # 6, 3: padded lanes
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_kernel_moe_route(t, num_experts, top_k, renormalize):
+    logits = _randn(t, num_experts, seed=7) * 3
+    weights, ids = kernels.moe_route(logits, top_k, renormalize)
+    ref_w, ref_ids = kernels.moe_route_ref(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids) and ids.dtype == torch.int64
+    torch.testing.assert_close(weights, ref_w, **F32_TOL)
+    with pytest.raises(ValueError, match="top_k=9"):
+        kernels.moe_route(logits[:, :8].contiguous(), 9, renormalize)
+
+
 @pytest.mark.parametrize("n,top_k,num_experts,block_m,only", [
     (1, 1, 4, 16, None),  # single token, top-1
     (1, 8, 16, 16, None),  # single token, top-8
@@ -1330,6 +1342,15 @@ def test_kernel_gpu_elementwise_bf16():
 
 
 @needs_cuda
+def test_kernel_gpu_moe_route_bf16():
+    logits = _randn(300, 128, seed=38, device=CUDA_DEVICE, dtype=BF16)
+    weights, ids = kernels.moe_route(logits, 8, True)
+    ref_w, ref_ids = kernels.moe_route_ref(logits, 8, True)
+    assert (ids == ref_ids).float().mean() > 0.99  # bf16 logits tie now and then; ties may pick either
+    torch.testing.assert_close(weights[ids == ref_ids], ref_w[ids == ref_ids], atol=1e-2, rtol=1e-2)
+
+
+@needs_cuda
 @pytest.mark.parametrize("n", [1, 64, 300, 2100, 4200])  # 4200 x 8 assignments: the torch moe_align path
 def test_kernel_gpu_fused_moe_bf16(n):
     num_experts, d, inter, top_k = 128, 2048, 768, 8
@@ -1382,6 +1403,7 @@ def test_kernel_gpu_no_host_sync():
         kernels.rope(q, k, positions, cos_sin, w[:d], w[:d])
         kernels.write_kv(k, v, tensors[0], tensors[1], positions)
         kernels.rope_write_kv(q, k, v, tensors[0], tensors[1], positions, positions, cos_sin, w[:d], w[:d])
+        kernels.moe_route(x[:, :128].contiguous(), 8, True)
         kernels.moe_align(ids, 128, 16)
         kernels.moe_align(big_ids, 128, 64)  # above the kernel threshold: the torch path
         kernels.moe_align_ref(ids, 128, 16)
