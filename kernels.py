@@ -49,6 +49,9 @@ ATTN_MAX_SPLITS = 64
 # 128 keys run as one split that writes its output directly. Not more than 128 (2 tiles of 64): at batch
 # 1 an 8K context then still gets 64 splits per kv head, the 4 programs per SM measured best above.
 ATTN_MIN_SPLIT_TOKENS = 128
+# Sampling: vocabulary ids per program of the race kernel (152K ids: 19 programs a row), and per loop step.
+RACE_CHUNK = 8192
+RACE_BLOCK_V = 1024
 # linear(): the Triton skinny GEMM runs for up to this many rows; above it cuBLAS's tensor-core tiles
 # reuse each weight tile across enough rows to win, and F.linear takes over.
 LINEAR_MAX_M = 16
@@ -262,6 +265,115 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling: the exponential race (Gumbel-max) over the vocabulary, with counter-based noise
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 on uint32 lanes: multiplications wrap mod 2**32, shifts are logical."""
+    x = (x ^ (x >> 16)) * 0x7FEB352D
+    x = (x ^ (x >> 15)) * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr,  # [S, V] float32, rows contiguous
+    temperature_ptr,  # [S] float32; 0 = greedy
+    seeds_ptr,  # [S] int64
+    counters_ptr,  # [S] int64: index of the token being sampled
+    part_score_ptr,  # [S, NUM_CHUNKS] float32 out: best score of this program's chunk
+    part_idx_ptr,  # [S, NUM_CHUNKS] int64 out: its vocabulary id
+    vocab,
+    stride_s,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,  # vocabulary ids per program
+    BLOCK_V: tl.constexpr,  # ids per loop step
+):
+    # argmax_v softmax(l / T)_v / E_v with E_v ~ Exp(1) draws v from softmax(l / T) (the exponential race);
+    # in logs that is argmax_v l_v / T - log(E_v): no softmax, one read of the logits, noise made in
+    # registers from (seed, counter, v), so no [S, V] noise tensor ever exists.
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    temp = tl.load(temperature_ptr + row)
+    inv_t = 1.0 / tl.maximum(temp, 1e-5)
+    seed = tl.load(seeds_ptr + row).to(tl.uint64)
+    counter = tl.load(counters_ptr + row).to(tl.uint64)
+    lo, hi = (seed & 0xFFFFFFFF).to(tl.uint32), (seed >> 32).to(tl.uint32)
+    key = _hash32(lo ^ _hash32(hi) ^ _hash32((counter & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B9))
+    best_score = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+    best_idx = tl.zeros([BLOCK_V], dtype=tl.int64)
+    for start in tl.static_range(0, CHUNK, BLOCK_V):
+        v = chunk * CHUNK + start + tl.arange(0, BLOCK_V)
+        mask = v < vocab
+        logit = tl.load(logits_ptr + row * stride_s + v, mask=mask, other=float("-inf"))
+        u = ((_hash32(key ^ v.to(tl.uint32)) >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)  # (0, 1)
+        score = tl.where(temp == 0, logit, logit * inv_t - tl.log(-tl.log(u)))
+        better = score > best_score  # per lane; on a tie the lower id, seen first, stays
+        best_score = tl.where(better, score, best_score)
+        best_idx = tl.where(better, v.to(tl.int64), best_idx)
+    top = tl.max(best_score, axis=0)
+    idx = tl.min(tl.where(best_score == top, best_idx, vocab), axis=0)  # the lowest id among the maxima
+    tl.store(part_score_ptr + row * NUM_CHUNKS + chunk, top)
+    tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, idx)
+
+
+def _check_race_args(logits, temperature, seeds, counters) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError(f"logits must be contiguous float32 [S, V], got {logits.dtype} {tuple(logits.shape)}")
+    s = logits.shape[0]
+    for name, t in (("temperature", temperature), ("seeds", seeds), ("counters", counters)):
+        if t.shape != (s,):
+            raise ValueError(f"{name} must be [{s}], got {tuple(t.shape)}")
+
+
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                counters: torch.Tensor) -> torch.Tensor:
+    """Logits [S, V] float32 -> tokens [S] int64: argmax where temperature is 0, else a draw from
+    softmax(logits / temperature) whose noise depends only on (seed, counter, token id). Logits set to
+    -inf (top-k / top-p filtering) are never drawn. One kernel over (row, vocabulary chunk), then an argmax
+    over the chunks' winners."""
+    _check_race_args(logits, temperature, seeds, counters)
+    s, vocab = logits.shape
+    chunks = triton.cdiv(vocab, RACE_CHUNK)
+    part_score = torch.empty((s, chunks), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((s, chunks), dtype=torch.int64, device=logits.device)
+    if s == 0:
+        return part_idx[:, 0]
+    _race_kernel[(s, chunks)](
+        logits, temperature.float().contiguous(), seeds.contiguous(), counters.contiguous(), part_score, part_idx,
+        vocab, logits.stride(0), NUM_CHUNKS=chunks, CHUNK=RACE_CHUNK, BLOCK_V=RACE_BLOCK_V, num_warps=4,
+    )
+    return part_idx.gather(1, part_score.argmax(dim=1, keepdim=True)).squeeze(1)  # first chunk on a tie
+
+
+def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 in int64 arithmetic, keeping the low 32 bits (int64 products wrap, low bits intact)."""
+    m = 0xFFFFFFFF
+    x = (x ^ (x >> 16)) * 0x7FEB352D & m
+    x = (x ^ (x >> 15)) * 0x846CA68B & m
+    return x ^ (x >> 16)
+
+
+def race_noise_ref(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, V] uniforms in (0, 1), the ones the kernel makes in registers."""
+    m = 0xFFFFFFFF
+    key = _hash32_ref((seeds & m) ^ _hash32_ref(seeds >> 32 & m) ^ _hash32_ref(counters * 0x9E3779B9 & m))
+    ids = torch.arange(vocab, device=seeds.device)
+    return ((_hash32_ref(key[:, None] ^ ids[None, :]) >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def race_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                    counters: torch.Tensor) -> torch.Tensor:
+    _check_race_args(logits, temperature, seeds, counters)
+    u = race_noise_ref(seeds, counters, logits.shape[1])  # [S, V]: what makes this path memory-heavy
+    t = temperature.float()[:, None]
+    score = torch.where(t == 0, logits, logits / t.clamp(min=1e-5) - torch.log(-torch.log(u)))
+    return score.argmax(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -206,7 +206,8 @@ class EngineConfig:
 # ----------------------------------------------------------------------------------------------------------
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "moe_route", "fused_moe", "rope_write_kv", "paged_attention")
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "moe_route", "fused_moe", "rope_write_kv", "paged_attention",
+       "race_sample")
 
 
 def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
@@ -539,41 +540,22 @@ class SamplingBatch:
     need_filter: bool              # any top-k or top-p in the batch (a sort over the vocab)
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) in int64 arithmetic: only the low 32 bits are kept."""
-    m = 0xFFFFFFFF
-    x = (x ^ (x >> 16)) * 0x7FEB352D & m
-    x = (x ^ (x >> 15)) * 0x846CA68B & m
-    return x ^ (x >> 16)
-
-
-def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(S, vocab) uniforms in (0, 1) that depend only on (seed, counter, token id): a request's noise
-    does not depend on what else is in the batch, and nothing is read back to the host."""
-    ids = torch.arange(vocab, device=seeds.device)
-    key = _hash32((seeds & 0xFFFFFFFF) ^ _hash32(seeds >> 32) ^ _hash32(counters * 0x9E3779B9 & 0xFFFFFFFF))
-    h = _hash32(key[:, None] ^ ids[None, :])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-
-
-def sample(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
+def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref) -> torch.Tensor:
     """(S, vocab) float32 logits -> (S,) int64 tokens, on the device, with no host sync.
-    Sampling uses the exponential-race trick: argmax(p / E) with E ~ Exp(1) draws from p."""
-    greedy = logits.argmax(dim=-1)
+    Top-k / top-p set the dropped logits to -inf (a sort, only when some request asks for it); then `race`
+    (kernels.race_sample or its reference) draws each row from softmax(logits / T) by the exponential race,
+    with noise that is a hash of (seed, token index, vocabulary id): a request's tokens never depend on
+    its batch. Temperature 0 rows take the argmax."""
     if s.all_greedy:
-        return greedy
-    logits = logits / s.temperature.clamp(min=1e-5)[:, None]
+        return logits.argmax(dim=-1)
     if s.need_filter:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        scaled = logits / s.temperature.clamp(min=1e-5)[:, None]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(logits.shape[-1], device=logits.device)
         probs = sorted_logits.softmax(dim=-1)
         drop = (rank[None, :] >= s.top_k[:, None]) | (probs.cumsum(-1) - probs > s.top_p[:, None])
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    noise = -torch.log(seeded_uniform(s.seeds, s.counters, logits.shape[-1]))
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(s.temperature == 0, greedy, sampled)
+        logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return race(logits.contiguous(), s.temperature, s.seeds, s.counters)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -769,7 +751,7 @@ class ModelRunner:
         else:
             hidden = self.model(batch, self.kv_cache)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return sample(logits, sbatch)
+        return sample(logits, sbatch, self.model.ops.race_sample)
 
     @property
     def prev_rows(self) -> dict:

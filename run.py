@@ -369,6 +369,13 @@ def _bench_elementwise(out_lines, t: int) -> None:
     slots = torch.randperm((num_blocks - 1) * PAGE_SIZE, device=dev)[:t]
     _report(out_lines, "write_kv", shape, lambda: kernels.write_kv(k, v, k_cache, v_cache, slots),
             lambda: kernels.write_kv_ref(k, v, k_cache, v_cache, slots), 4 * t * hkv * d * BYTES)
+    # Sampling at temperature 0.6 over Qwen3's vocabulary: the kernel reads the logits once; the torch
+    # reference materialises [t, V] noise through a dozen int64 ops.
+    vocab = 151936
+    logits = torch.randn(t, vocab, device=dev)
+    temp, seeds, counters = torch.full((t,), 0.6, device=dev), torch.arange(t, device=dev), torch.arange(t, device=dev)
+    _report(out_lines, "race_sample", shape, lambda: kernels.race_sample(logits, temp, seeds, counters),
+            lambda: kernels.race_sample_ref(logits, temp, seeds, counters), t * vocab * 4)
     # What the engine runs: both of the above in one launch (k goes to the cache, not back to qkv).
     _report(out_lines, "rope_write_kv", shape,
             lambda: kernels.rope_write_kv(q, k, v, k_cache, v_cache, slots, positions, cos_sin, qn, kn),
