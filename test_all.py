@@ -535,10 +535,11 @@ def test_race_sample_draws_from_the_softmax(race):
     """1,200 draws (one seed, counters 0..1199) follow softmax(logits / T); -inf is never drawn."""
     fn = kernels.race_sample if race == "kernel" else kernels.race_sample_ref
     n, t = 1200, 0.7
-    logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5]).repeat(n, 1)
-    tokens = fn(logits, torch.full((n,), t), torch.full((n,), 5, dtype=torch.int64), torch.arange(n))
-    freq = torch.bincount(tokens, minlength=5).float() / n
-    torch.testing.assert_close(freq, torch.softmax(logits[0] / t, dim=0), atol=0.04, rtol=0)
+    logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), 0.5], device=DEVICE).repeat(n, 1)
+    tokens = fn(logits, torch.full((n,), t, device=DEVICE), torch.full((n,), 5, device=DEVICE),
+                torch.arange(n, device=DEVICE))
+    freq = torch.bincount(tokens, minlength=5).float().cpu() / n
+    torch.testing.assert_close(freq, torch.softmax(logits[0].cpu() / t, dim=0), atol=0.04, rtol=0)
     assert freq[3] == 0
 
 
@@ -547,9 +548,9 @@ def test_race_sample_kernel_equals_reference():
     s, vocab = 4, 2 * kernels.RACE_CHUNK + 300
     logits = _randn(s, vocab, seed=60) * 2
     logits[1, ::3] = float("-inf")
-    temperature = torch.tensor([0.0, 0.8, 1.0, 1.7])
-    seeds = torch.tensor([1, 2**40 + 5, 3, 4])
-    counters = torch.tensor([0, 7, 2**31 + 1, 3])
+    temperature = torch.tensor([0.0, 0.8, 1.0, 1.7], device=DEVICE)
+    seeds = torch.tensor([1, 2**40 + 5, 3, 4], device=DEVICE)
+    counters = torch.tensor([0, 7, 2**31 + 1, 3], device=DEVICE)
     tokens = kernels.race_sample(logits, temperature, seeds, counters)
     assert torch.equal(tokens, kernels.race_sample_ref(logits, temperature, seeds, counters))
     assert tokens[0] == logits[0].argmax() and logits[1, tokens[1]] > float("-inf")
