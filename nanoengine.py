@@ -34,6 +34,7 @@ __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "Re
 EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
 CPU_KV_BYTES = 512 << 20          # KV cache on the CPU: 16k blocks for `tiny`, modest for real shapes
 CUDA_HEADROOM_BYTES = 4 << 30     # kept free on CUDA for activations, logits and graphs
+STAGING_ALIGN_BYTES = 16          # staged tensors start 16-byte aligned: see aligned_offsets
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -562,18 +563,31 @@ def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref)
 # The model runner: KV cache, batch building, forward (eager or graphed) and sampling
 
 
+def aligned_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
+    """Where each of several arrays starts when packed into one buffer with every start 16-byte aligned,
+    and the total length. Triton compiles a kernel once per pointer alignment it sees: packed tightly,
+    the staged tensors' alignment changed with each step's sizes, and a run stalled on recompiles."""
+    align = max(1, STAGING_ALIGN_BYTES // itemsize)
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // align) * align
+    return offsets, total
+
+
 class Staging:
     """Host arrays -> device tensors in one copy per dtype. On CUDA the arrays are packed into pinned
     buffers and copied without blocking; two buffers alternate so the host can fill one while the
     other's copy may still be queued behind the step in flight (an event guards the reuse)."""
 
-    def __init__(self, device: torch.device, sizes: dict):
+    def __init__(self, device: torch.device, sizes: dict, arrays_per_dtype: int = 16):
         self.device, self.cuda, self.turn = device, device.type == "cuda", 0
         self.buffers = [{}, {}]
         self.events = [None, None]
         if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
             for buffers in self.buffers:
                 for dtype, n in sizes.items():
+                    n += arrays_per_dtype * STAGING_ALIGN_BYTES  # room for the alignment padding
                     buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
 
     def to_device(self, *groups: list) -> list[list[torch.Tensor]]:
@@ -589,16 +603,17 @@ class Staging:
 
     def _copy(self, arrays: list) -> list[torch.Tensor]:
         dtype = arrays[0].dtype
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        offsets, total = aligned_offsets([a.size for a in arrays], dtype.itemsize)
         buf = self.buffers[self.turn].get(dtype)
         if buf is None or buf.numel() < total:
             buf = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
-                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
+                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=self.cuda)
             self.buffers[self.turn][dtype] = buf
-        np.concatenate([a.ravel() for a in arrays], out=buf.numpy()[:total])
-        dev = buf[:total].to(self.device, non_blocking=True)
-        return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
+        host = buf.numpy()
+        for a, o in zip(arrays, offsets):
+            host[o:o + a.size] = a.ravel()
+        dev = buf[:total].to(self.device, non_blocking=True)  # one copy; the allocator aligns its start
+        return [dev[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
 
 
 class ModelRunner:
