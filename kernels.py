@@ -749,88 +749,8 @@ def fused_moe_ref(
 
 
 # ---------------------------------------------------------------------------------------------------
-# KV-cache write
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr,  # [T, Hkv, D] strided view
-    v_ptr,  # [T, Hkv, D] strided view
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] contiguous
-    v_cache_ptr,
-    slot_mapping_ptr,  # [T] slot = block * block_size + offset; -1 = padding row
-    scratch_slot,  # first slot of the last (never handed out) block
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    # Padding rows (CUDA-graph filler) still run; send them to the scratch block so no real block changes.
-    slot = tl.where(slot < 0, scratch_slot, slot)
-    heads = tl.arange(0, HEADS_PAD)
-    dims = tl.arange(0, DIM_PAD)
-    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
-    cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
-    k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
-    if k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    t, hkv, d = k.shape
-    if k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, {hkv}, {d}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int64 [{t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    _check_last_dim_contiguous("k", k)
-    _check_last_dim_contiguous("v", v)
-
-
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store k, v [T, Hkv, D] at their slots of the caches [num_blocks, block_size, Hkv, D], in place.
-    Slot -1 rows go to the last block (scratch, never handed to a request)."""
-    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
-    t, hkv, d = k.shape
-    if t == 0:
-        return
-    scratch_slot = (k_cache.shape[0] - 1) * k_cache.shape[1]
-    heads_pad, dim_pad = _next_pow2(hkv), _next_pow2(d)
-    _write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, scratch_slot,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, HEADS_PAD=heads_pad, DIM_PAD=dim_pad,
-        num_warps=_elementwise_warps(heads_pad * dim_pad),
-    )
-
-
-def write_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
-    scratch_slot = (k_cache.shape[0] - 1) * k_cache.shape[1]
-    slots = torch.where(slot_mapping < 0, scratch_slot, slot_mapping).long()
-    hkv, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, hkv, d)[slots] = k.to(k_cache.dtype)  # [num_slots, Hkv, D]
-    v_cache.view(-1, hkv, d)[slots] = v.to(v_cache.dtype)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rotary embedding (neox / HF rotate_half), optionally after per-head RMSNorm (Qwen3 q_norm / k_norm)
+# RoPE (neox / HF rotate_half), optionally after per-head RMSNorm (Qwen3 q_norm / k_norm), and the
+# KV-cache write, in one launch
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -867,11 +787,11 @@ def _rope_heads(
 
 
 @triton.jit
-def _rope_kernel(
+def _rope_write_kv_kernel(
     q_ptr,  # [T, H, D] strided view, rotated in place
-    k_ptr,  # [T, Hkv, D] strided view, rotated in place (or into the cache when WRITE_KV)
-    v_ptr,  # [T, Hkv, D] strided view (read only when WRITE_KV)
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] contiguous (only when WRITE_KV)
+    k_ptr,  # [T, Hkv, D] strided view, read only: rotated into the cache
+    v_ptr,  # [T, Hkv, D] strided view, copied into the cache
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] contiguous
     v_cache_ptr,
     slot_mapping_ptr,  # [T] slot = block * block_size + offset; -1 = padding row
     scratch_slot,  # first slot of the last (never handed out) block
@@ -893,10 +813,9 @@ def _rope_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,  # D // 2
     HAS_NORM: tl.constexpr,
-    WRITE_KV: tl.constexpr,  # store rotated k and v at the token's cache slot instead of k in place
 ):
-    # One program per token does every q and k head: cos/sin are loaded once and the whole
-    # norm + rotate (+ KV-cache write) chain is one launch instead of several per layer.
+    # One program per token does every q, k and v head: cos/sin are loaded once and the whole
+    # norm + rotate + KV-cache write chain is one launch instead of several per layer.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF)
@@ -904,21 +823,18 @@ def _rope_kernel(
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims).to(tl.float32)
     _rope_heads(q_ptr + t * stride_qt, stride_qh, q_ptr + t * stride_qt, stride_qh, q_norm_ptr, cos, sin, eps,
                 NUM_Q_HEADS, Q_HEADS_PAD, HALF, HAS_NORM)
-    if WRITE_KV:
-        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-        slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows (graph filler) go to the scratch block
-        cache_off = slot * (NUM_KV_HEADS * 2 * HALF)
-        _rope_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + cache_off, 2 * HALF, k_norm_ptr, cos, sin,
-                    eps, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM)
-        heads = tl.arange(0, KV_HEADS_PAD)
-        all_dims = tl.arange(0, 2 * HALF)
-        mask = (heads < NUM_KV_HEADS)[:, None]
-        v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + all_dims[None, :], mask=mask)
-        tl.store(v_cache_ptr + cache_off + heads[:, None] * (2 * HALF) + all_dims[None, :],
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-    else:
-        _rope_heads(k_ptr + t * stride_kt, stride_kh, k_ptr + t * stride_kt, stride_kh, k_norm_ptr, cos, sin,
-                    eps, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    # Padding rows (CUDA-graph filler) still run; send them to the scratch block so no real block changes.
+    slot = tl.where(slot < 0, scratch_slot, slot)
+    cache_off = slot * (NUM_KV_HEADS * 2 * HALF)
+    _rope_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + cache_off, 2 * HALF, k_norm_ptr, cos, sin,
+                eps, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HAS_NORM)
+    heads = tl.arange(0, KV_HEADS_PAD)
+    all_dims = tl.arange(0, 2 * HALF)
+    mask = (heads < NUM_KV_HEADS)[:, None]
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + all_dims[None, :], mask=mask)
+    tl.store(v_cache_ptr + cache_off + heads[:, None] * (2 * HALF) + all_dims[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight) -> None:
@@ -940,65 +856,19 @@ def _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weigh
         _check_last_dim_contiguous(name, x)
 
 
-def rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> None:
-    """In place on q [T, H, D] and k [T, Hkv, D] (strided views are fine): optional per-head RMSNorm,
-    then rotate_half RoPE with cos = cos_sin_cache[pos, :D/2], sin = cos_sin_cache[pos, D/2:]."""
-    _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
-    if q.shape[0] == 0:
-        return
-    _launch_rope(q, k, None, None, None, None, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-
-
-def _launch_rope(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
-                 k_norm_weight, eps) -> None:
-    t, h, d = q.shape
-    hkv = k.shape[1]
-    write_kv = k_cache is not None
-    has_norm = q_norm_weight is not None
-    q_pad, kv_pad = _next_pow2(h), _next_pow2(hkv)
-    _rope_kernel[(t,)](
-        q, k, v if write_kv else k, k_cache if write_kv else k, v_cache if write_kv else k,
-        slot_mapping if write_kv else positions,
-        (k_cache.shape[0] - 1) * k_cache.shape[1] if write_kv else 0,
-        positions, cos_sin_cache,
-        q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0) if write_kv else 0, v.stride(1) if write_kv else 0, cos_sin_cache.stride(0), eps,
-        NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_HEADS_PAD=q_pad, KV_HEADS_PAD=kv_pad, HALF=d // 2,
-        HAS_NORM=has_norm, WRITE_KV=write_kv, num_warps=_elementwise_warps((q_pad + 2 * kv_pad) * d),
-    )
-
-
-def _rope_one_ref(x, cos, sin, norm_weight, eps) -> None:
-    xf = x.float()  # [T, heads, D]
-    if norm_weight is not None:
-        xf = rmsnorm_ref(xf, norm_weight, eps)
-    x1, x2 = xf.chunk(2, dim=-1)
-    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype))
-
-
-def rope_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> None:
-    _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
-    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    _rope_one_ref(q, cos, sin, q_norm_weight, eps)
-    _rope_one_ref(k, cos, sin, k_norm_weight, eps)
+def _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    t, hkv, d = k.shape
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, {hkv}, {d}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int64 [{t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    _check_last_dim_contiguous("k", k)
+    _check_last_dim_contiguous("v", v)
 
 
 def rope_write_kv(
@@ -1014,15 +884,35 @@ def rope_write_kv(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> None:
-    """rope() on q in place, and rope() on k written straight to its KV-cache slot with v beside it: the
-    attention block's elementwise work in one launch (k itself is left as it was). Slot -1 rows go to the
-    scratch block, as in write_kv."""
+    """q [T, H, D] in place: optional per-head RMSNorm, then rotate_half RoPE with
+    cos = cos_sin_cache[pos, :D/2], sin = cos_sin_cache[pos, D/2:]. k [T, Hkv, D] the same, but written
+    straight to its slot of k_cache [num_blocks, block_size, Hkv, D] (k itself is left as it was), and v
+    beside it in v_cache. Strided views are fine. Slot -1 rows go to the last block (scratch, never handed
+    to a request)."""
     _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
     _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
-    if q.shape[0] == 0:
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    if t == 0:
         return
-    _launch_rope(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
-                 k_norm_weight, eps)
+    has_norm = q_norm_weight is not None
+    q_pad, kv_pad = _next_pow2(h), _next_pow2(hkv)
+    _rope_write_kv_kernel[(t,)](
+        q, k, v, k_cache, v_cache, slot_mapping, (k_cache.shape[0] - 1) * k_cache.shape[1], positions,
+        cos_sin_cache,
+        q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        eps, NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_HEADS_PAD=q_pad, KV_HEADS_PAD=kv_pad, HALF=d // 2,
+        HAS_NORM=has_norm, num_warps=_elementwise_warps((q_pad + 2 * kv_pad) * d),
+    )
+
+
+def _rope_one_ref(x, cos, sin, norm_weight, eps) -> None:
+    xf = x.float()  # [T, heads, D]
+    if norm_weight is not None:
+        xf = rmsnorm_ref(xf, norm_weight, eps)
+    x1, x2 = xf.chunk(2, dim=-1)
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype))
 
 
 def rope_write_kv_ref(
@@ -1038,9 +928,18 @@ def rope_write_kv_ref(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> None:
+    _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
+    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    _rope_one_ref(q, cos, sin, q_norm_weight, eps)
     k = k.clone()  # the kernel leaves k as it was
-    rope_ref(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    _rope_one_ref(k, cos, sin, k_norm_weight, eps)
+    scratch_slot = (k_cache.shape[0] - 1) * k_cache.shape[1]
+    slots = torch.where(slot_mapping < 0, scratch_slot, slot_mapping).long()
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, d)[slots] = k.to(k_cache.dtype)  # [num_slots, Hkv, D]
+    v_cache.view(-1, hkv, d)[slots] = v.to(v_cache.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -580,14 +580,14 @@ class Staging:
     buffers and copied without blocking; two buffers alternate so the host can fill one while the
     other's copy may still be queued behind the step in flight (an event guards the reuse)."""
 
-    def __init__(self, device: torch.device, sizes: dict, arrays_per_dtype: int = 16):
+    def __init__(self, device: torch.device, sizes: dict):
         self.device, self.cuda, self.turn = device, device.type == "cuda", 0
         self.buffers = [{}, {}]
         self.events = [None, None]
         if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
             for buffers in self.buffers:
                 for dtype, n in sizes.items():
-                    n += arrays_per_dtype * STAGING_ALIGN_BYTES  # room for the alignment padding
+                    n += STAGING_ALIGN_BYTES * 16  # alignment padding: under 16 bytes for each of <= 16 arrays
                     buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
 
     def to_device(self, *groups: list) -> list[list[torch.Tensor]]:

@@ -53,6 +53,8 @@ def sync_debug_mode_restored():
     if CUDA and torch.cuda.get_sync_debug_mode() != 0:
         torch.cuda.set_sync_debug_mode("default")
         pytest.fail("the test left torch.cuda.set_sync_debug_mode on")
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ==========================================================================================================
@@ -1208,65 +1210,38 @@ def test_kernel_fused_moe(n, top_k, num_experts, d, inter, only):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_kernel_write_kv_padding_goes_to_scratch():
-    num_blocks, page, hkv, d = 5, 4, 2, 32  # block 4 is the scratch block
-    _, _, k, v = _qkv_views(6, 4, hkv, d, seed=15)  # strided views
-    slots = torch.tensor([0, 7, -1, 13, -1, 2], device=DEVICE)
-    real = slots >= 0
-    k_cache = _randn(num_blocks, page, hkv, d, seed=16)  # garbage that must survive outside the slots
-    v_cache = _randn(num_blocks, page, hkv, d, seed=17)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    expect_k, expect_v = k_cache.clone(), v_cache.clone()
-    kernels.write_kv(k, v, k_cache, v_cache, slots)
-    kernels.write_kv_ref(k, v, ref_k, ref_v, slots)
-    real_slots = (num_blocks - 1) * page
-    for cache, ref, expect, new in ((k_cache, ref_k, expect_k, k), (v_cache, ref_v, expect_v, v)):
-        expect.view(-1, hkv, d)[slots[real]] = new[real]
-        for full in (cache, ref):  # real blocks: exactly the real rows' slots changed
-            assert torch.equal(full.view(-1, hkv, d)[:real_slots], expect.view(-1, hkv, d)[:real_slots])
-            assert any(torch.equal(full[-1, 0], new[i]) for i in (2, 4)), "padding rows land in scratch"
-
-
 @pytest.mark.parametrize("with_norm", [False, True])
-@pytest.mark.parametrize("t,h,hkv,d", [(1, 4, 2, 16), (5, 6, 2, 32)])  # 6 heads: not a power of two
-def test_kernel_rope(with_norm, t, h, hkv, d):
-    qkv, q, k, _ = _qkv_views(t, h, hkv, d, seed=18)
-    qkv_ref, q_ref, k_ref, _ = _qkv_views(t, h, hkv, d, seed=18)
-    positions = torch.randint(0, 64, (t,), generator=_gen(19)).to(DEVICE)
-    cos_sin = _randn(64, d, seed=20)
-    norms = (_randn(d, seed=21), _randn(d, seed=22)) if with_norm else (None, None)
-    kernels.rope(q, k, positions, cos_sin, *norms, eps=1e-6)
-    kernels.rope_ref(q_ref, k_ref, positions, cos_sin, *norms, eps=1e-6)
-    torch.testing.assert_close(qkv, qkv_ref, **F32_TOL)  # also proves v was left alone
-    assert torch.equal(qkv[:, (h + hkv) * d :], _randn(t, (h + 2 * hkv) * d, seed=18)[:, (h + hkv) * d :])
-
-
-@pytest.mark.parametrize("with_norm", [False, True])
-def test_kernel_rope_write_kv(with_norm):
-    """The fused launch: q rotated in place, rotated k and v stored at their slots (padding to scratch),
-    and nothing else changed: not k, not v, not any other slot of a real block."""
-    t, h, hkv, d, num_blocks, page = 6, 6, 2, 32, 5, 4  # block 4 is the scratch block
-    qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=23)
-    qkv_ref, q_ref, k_ref, v_ref = _qkv_views(t, h, hkv, d, seed=23)
+@pytest.mark.parametrize("t,h,hkv,d", [(1, 4, 2, 16), (6, 6, 2, 32)])  # 6 heads: not a power of two
+def test_kernel_rope_write_kv(with_norm, t, h, hkv, d):
+    """q rotated in place; rotated k and v stored at their slots, padding rows (slot -1) in the scratch
+    block; nothing else changed: not k, not v, not any other slot of a real block. Kernel and reference."""
+    num_blocks, page = 5, 4  # block 4 is the scratch block
     positions = torch.randint(0, 64, (t,), generator=_gen(24)).to(DEVICE)
     cos_sin = _randn(64, d, seed=25)
     norms = (_randn(d, seed=26), _randn(d, seed=27)) if with_norm else (None, None)
-    slots = torch.tensor([0, 7, -1, 13, -1, 2], device=DEVICE)
-    k_cache, v_cache = _randn(num_blocks, page, hkv, d, seed=28), _randn(num_blocks, page, hkv, d, seed=29)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    kernels.rope_write_kv(q, k, v, k_cache, v_cache, slots, positions, cos_sin, *norms, eps=1e-6)
-    kernels.rope_write_kv_ref(q_ref, k_ref, v_ref, ref_k, ref_v, slots, positions, cos_sin, *norms, eps=1e-6)
+    slots = torch.tensor([0, 7, -1, 13, -1, 2][:t] if t > 1 else [9], device=DEVICE)
+    real, real_slots = slots >= 0, (num_blocks - 1) * page
+    garbage = _randn(2, num_blocks, page, hkv, d, seed=28)  # must survive outside the slots
+    caches = {}
+    for fn in (kernels.rope_write_kv, kernels.rope_write_kv_ref):
+        qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=23)  # strided views
+        k_cache, v_cache = garbage[0].clone(), garbage[1].clone()
+        fn(q, k, v, k_cache, v_cache, slots, positions, cos_sin, *norms, eps=1e-6)
+        assert torch.equal(qkv[:, h * d:], _randn(t, (h + 2 * hkv) * d, seed=23)[:, h * d:]), "k, v untouched"
+        expect_v = garbage[1].clone()
+        expect_v.view(-1, hkv, d)[slots[real]] = v[real]
+        assert torch.equal(v_cache.view(-1, hkv, d)[:real_slots], expect_v.view(-1, hkv, d)[:real_slots])
+        untouched = torch.ones(real_slots, dtype=torch.bool, device=DEVICE)
+        untouched[slots[real]] = False
+        assert torch.equal(k_cache.view(-1, hkv, d)[:real_slots][untouched],
+                           garbage[0].view(-1, hkv, d)[:real_slots][untouched])
+        if not real.all():
+            assert any(torch.equal(v_cache[-1, 0], v[i]) for i in range(t) if not real[i]), "padding in scratch"
+        caches[fn] = (qkv, k_cache)
+    (qkv, k_cache), (qkv_ref, k_cache_ref) = caches.values()
     torch.testing.assert_close(qkv, qkv_ref, **F32_TOL)
-    assert torch.equal(qkv[:, h * d:], _randn(t, (h + 2 * hkv) * d, seed=23)[:, h * d:]), "k and v untouched"
-    real_slots = (num_blocks - 1) * page
-    torch.testing.assert_close(k_cache.view(-1, hkv, d)[:real_slots], ref_k.view(-1, hkv, d)[:real_slots],
+    torch.testing.assert_close(k_cache.view(-1, hkv, d)[slots[real]], k_cache_ref.view(-1, hkv, d)[slots[real]],
                                **F32_TOL)
-    assert torch.equal(v_cache.view(-1, hkv, d)[:real_slots], ref_v.view(-1, hkv, d)[:real_slots])
-    untouched = torch.ones(real_slots, dtype=torch.bool)
-    untouched[slots[slots >= 0].cpu()] = False
-    assert torch.equal(k_cache.view(-1, hkv, d)[:real_slots][untouched],
-                       _randn(num_blocks, page, hkv, d, seed=28).view(-1, hkv, d)[:real_slots][untouched])
-    assert any(torch.equal(v_cache[-1, 0], v[i]) for i in (2, 4)), "padding rows land in scratch"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1358,28 +1333,21 @@ def test_kernel_gpu_elementwise_bf16():
     gu = _randn(t, 2 * inter, seed=33, device=CUDA_DEVICE, dtype=BF16)
     torch.testing.assert_close(kernels.silu_and_mul(gu), kernels.silu_and_mul_ref(gu), **BF16_ELEMENTWISE_TOL)
     qkv, q, k, v = _qkv_views(t, h, hkv, d, seed=34, device=CUDA_DEVICE, dtype=BF16)
-    qkv_ref, q_ref, k_ref, _ = _qkv_views(t, h, hkv, d, seed=34, device=CUDA_DEVICE, dtype=BF16)
+    qkv_ref, q_ref, _, _ = _qkv_views(t, h, hkv, d, seed=34, device=CUDA_DEVICE, dtype=BF16)
     positions = torch.randint(0, 4096, (t,), device=CUDA_DEVICE)
     cos_sin = _randn(4096, d, seed=35, device=CUDA_DEVICE)
     norms = (_randn(d, seed=36, device=CUDA_DEVICE, dtype=BF16), _randn(d, seed=37, device=CUDA_DEVICE, dtype=BF16))
-    kernels.rope(q, k, positions, cos_sin, *norms)
-    kernels.rope_ref(q_ref, k_ref, positions, cos_sin, *norms)
-    torch.testing.assert_close(qkv, qkv_ref, **BF16_ELEMENTWISE_TOL)
-    k_cache = torch.full((65, 16, hkv, d), float("nan"), device=CUDA_DEVICE, dtype=BF16)
-    v_cache = k_cache.clone()
+    nan_cache = torch.full((65, 16, hkv, d), float("nan"), device=CUDA_DEVICE, dtype=BF16)
+    caches, caches_ref = (nan_cache.clone(), nan_cache.clone()), (nan_cache.clone(), nan_cache.clone())
     slots = torch.randperm(64 * 16, device=CUDA_DEVICE)[:t]
     slots[::7] = -1
-    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    kernels.rope_write_kv(q, k, v, *caches, slots, positions, cos_sin, *norms)
+    kernels.rope_write_kv_ref(q_ref, k, v, *caches_ref, slots, positions, cos_sin, *norms)
+    torch.testing.assert_close(qkv, qkv_ref, **BF16_ELEMENTWISE_TOL)  # q rotated; k and v untouched
     real = slots >= 0
-    assert torch.equal(k_cache.view(-1, hkv, d)[slots[real]], k[real])
-    assert torch.equal(v_cache.view(-1, hkv, d)[slots[real]], v[real])
-    assert k_cache[:64].isnan().sum() == (64 * 16 - int(real.sum())) * hkv * d, "only the real slots change"
-    q2, q2_ref = q_ref.clone(), q_ref.clone()  # the fused launch, from the same (already rotated) inputs
-    caches, caches_ref = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
-    kernels.rope_write_kv(q2, k, v, *caches, slots, positions, cos_sin, *norms)
-    kernels.rope_write_kv_ref(q2_ref, k, v, *caches_ref, slots, positions, cos_sin, *norms)
-    torch.testing.assert_close(q2, q2_ref, **BF16_ELEMENTWISE_TOL)
+    assert torch.equal(caches[1].view(-1, hkv, d)[slots[real]], v[real])
     for c, c_ref in zip(caches, caches_ref):
+        assert c[:64].isnan().sum() == (64 * 16 - int(real.sum())) * hkv * d, "only the real slots change"
         torch.testing.assert_close(c[:64], c_ref[:64], equal_nan=True, **BF16_ELEMENTWISE_TOL)
 
 
@@ -1456,8 +1424,6 @@ def test_kernel_gpu_no_host_sync():
         kernels.rmsnorm(x, w, 1e-6)
         kernels.add_rmsnorm(x, residual, w, 1e-6)
         kernels.silu_and_mul(qkv)
-        kernels.rope(q, k, positions, cos_sin, w[:d], w[:d])
-        kernels.write_kv(k, v, tensors[0], tensors[1], positions)
         kernels.rope_write_kv(q, k, v, tensors[0], tensors[1], positions, positions, cos_sin, w[:d], w[:d])
         kernels.moe_route(x[:, :128].contiguous(), 8, True)
         kernels.moe_align(ids, 128, 16)
