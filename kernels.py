@@ -39,8 +39,8 @@ ATTN_PREFILL_BLOCK_M = 64
 # program uses ~40 KB of shared memory, so several run on an SM at once. 4 measured best on an H200
 # (batch 1-16, contexts 1K-8K) against 2 and 8 ...
 ATTN_PROGRAMS_PER_SM = 4
-# ... with at least ATTN_MIN_SPLIT_TOKENS keys per split (below), and never more splits than this (the
-# merge kernel loads all splits of a row at once).
+# ... with at least ATTN_MIN_SPLIT_TOKENS keys per split (below), and never more splits than this (each
+# keeps a float32 partial of its rows, and the last to finish merges them one by one).
 ATTN_MAX_SPLITS = 64
 # Paged attention: a split covers at least this many keys (rounded up to whole key tiles). The split
 # count is fixed on the host from the block table's width (the graph's maximum context), so without a
@@ -49,6 +49,13 @@ ATTN_MAX_SPLITS = 64
 # 128 keys run as one split that writes its output directly. Not more than 128 (2 tiles of 64): at batch
 # 1 an 8K context then still gets 64 splits per kv head, the 4 programs per SM measured best above.
 ATTN_MIN_SPLIT_TOKENS = 128
+# Split reductions finish in-kernel: each program of a group that splits one reduction (split-KV
+# attention, the sampler's vocabulary chunks) takes a ticket from an atomic counter after writing its
+# partial, and the one that draws the last ticket combines them and resets the counter. That replaces a
+# second kernel whose launch cost ~3 us per layer at small batch (H200), even when, at short contexts,
+# it had nothing to merge. The counters are one zeroed buffer per device that every last program
+# restores to zero, so no memset is needed between calls or graph replays; this many groups at most.
+MAX_TICKETS = 1 << 16
 # Sampling: vocabulary ids per program of the race kernel (152K ids: 19 programs a row), and per loop step.
 RACE_CHUNK = 8192
 RACE_BLOCK_V = 1024
@@ -86,6 +93,27 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
+
+
+@functools.lru_cache(maxsize=None)
+def _tickets(device: torch.device) -> torch.Tensor:
+    """The device's ticket counters (see MAX_TICKETS). Made on the first call, which in the engine is an
+    eager warm-up, so the buffer is ordinary memory, not a graph pool's."""
+    return torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _last_to_finish(ticket_ptr, group_size):
+    """Called by every program of a group after it stored its partial: True in exactly one, the last.
+    The barrier makes all this program's threads' stores precede the ticket, and the atomic's
+    acquire-release order makes every earlier program's partial visible to the one that sees the last
+    ticket. That one resets the counter for the next call."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    last = ticket == group_size - 1
+    if last:
+        tl.atomic_xchg(ticket_ptr, 0)
+    return last
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -286,13 +314,17 @@ def _race_kernel(
     temperature_ptr,  # [S] float32; 0 = greedy
     seeds_ptr,  # [S] int64
     counters_ptr,  # [S] int64: index of the token being sampled
-    part_score_ptr,  # [S, NUM_CHUNKS] float32 out: best score of this program's chunk
-    part_idx_ptr,  # [S, NUM_CHUNKS] int64 out: its vocabulary id
+    part_score_ptr,  # [S, NUM_CHUNKS] float32 scratch: best score of each chunk
+    part_idx_ptr,  # [S, NUM_CHUNKS] int64 scratch: its vocabulary id
+    tickets_ptr,  # [>= S] int32 zeros: chunks of the row done so far
+    tokens_ptr,  # [S] int64 out
     vocab,
     stride_s,
     NUM_CHUNKS: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,  # NUM_CHUNKS rounded up to a power of two
     CHUNK: tl.constexpr,  # vocabulary ids per program
     BLOCK_V: tl.constexpr,  # ids per loop step
+    GREEDY: tl.constexpr,  # every row has temperature 0: plain argmax, no noise to make
 ):
     # argmax_v softmax(l / T)_v / E_v with E_v ~ Exp(1) draws v from softmax(l / T) (the exponential race);
     # in logs that is argmax_v l_v / T - log(E_v): no softmax, one read of the logits, noise made in
@@ -310,16 +342,28 @@ def _race_kernel(
     for start in tl.static_range(0, CHUNK, BLOCK_V):
         v = chunk * CHUNK + start + tl.arange(0, BLOCK_V)
         mask = v < vocab
-        logit = tl.load(logits_ptr + row * stride_s + v, mask=mask, other=float("-inf"))
-        u = ((_hash32(key ^ v.to(tl.uint32)) >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)  # (0, 1)
-        score = tl.where(temp == 0, logit, logit * inv_t - tl.log(-tl.log(u)))
+        score = tl.load(logits_ptr + row * stride_s + v, mask=mask, other=float("-inf"))
+        if not GREEDY:
+            u = ((_hash32(key ^ v.to(tl.uint32)) >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)  # (0, 1)
+            score = tl.where(temp == 0, score, score * inv_t - tl.log(-tl.log(u)))
         better = score > best_score  # per lane; on a tie the lower id, seen first, stays
         best_score = tl.where(better, score, best_score)
         best_idx = tl.where(better, v.to(tl.int64), best_idx)
     top = tl.max(best_score, axis=0)
     idx = tl.min(tl.where(best_score == top, best_idx, vocab), axis=0)  # the lowest id among the maxima
-    tl.store(part_score_ptr + row * NUM_CHUNKS + chunk, top)
-    tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, idx)
+    if NUM_CHUNKS == 1:
+        tl.store(tokens_ptr + row, idx)
+    else:
+        tl.store(part_score_ptr + row * NUM_CHUNKS + chunk, top)
+        tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, idx)
+        # The row's last chunk to finish picks the winner among the chunks' (the lowest id on a tie).
+        if _last_to_finish(tickets_ptr + row, NUM_CHUNKS):
+            chunks = tl.arange(0, CHUNKS_PAD)
+            ok = chunks < NUM_CHUNKS
+            scores = tl.load(part_score_ptr + row * NUM_CHUNKS + chunks, mask=ok, other=float("-inf"),
+                             cache_modifier=".cg")
+            ids = tl.load(part_idx_ptr + row * NUM_CHUNKS + chunks, mask=ok, other=vocab, cache_modifier=".cg")
+            tl.store(tokens_ptr + row, tl.min(tl.where(scores == tl.max(scores, axis=0), ids, vocab), axis=0))
 
 
 def _check_race_args(logits, temperature, seeds, counters) -> None:
@@ -332,23 +376,29 @@ def _check_race_args(logits, temperature, seeds, counters) -> None:
 
 
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                counters: torch.Tensor) -> torch.Tensor:
+                counters: torch.Tensor, greedy: bool = False) -> torch.Tensor:
     """Logits [S, V] float32 -> tokens [S] int64: argmax where temperature is 0, else a draw from
     softmax(logits / temperature) whose noise depends only on (seed, counter, token id). Logits set to
-    -inf (top-k / top-p filtering) are never drawn. One kernel over (row, vocabulary chunk), then an argmax
-    over the chunks' winners."""
+    -inf (top-k / top-p filtering) are never drawn. One kernel over (row, vocabulary chunk); the last chunk
+    of a row to finish picks the row's token. greedy=True (every temperature 0, known on the host) skips
+    the noise."""
     _check_race_args(logits, temperature, seeds, counters)
     s, vocab = logits.shape
+    if s > MAX_TICKETS:
+        raise ValueError(f"race_sample takes at most {MAX_TICKETS} rows, got {s}")
     chunks = triton.cdiv(vocab, RACE_CHUNK)
+    tokens = torch.empty(s, dtype=torch.int64, device=logits.device)
+    if s == 0:
+        return tokens
     part_score = torch.empty((s, chunks), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((s, chunks), dtype=torch.int64, device=logits.device)
-    if s == 0:
-        return part_idx[:, 0]
     _race_kernel[(s, chunks)](
         logits, temperature.float().contiguous(), seeds.contiguous(), counters.contiguous(), part_score, part_idx,
-        vocab, logits.stride(0), NUM_CHUNKS=chunks, CHUNK=RACE_CHUNK, BLOCK_V=RACE_BLOCK_V, num_warps=4,
+        _tickets(logits.device), tokens, vocab, logits.stride(0),
+        NUM_CHUNKS=chunks, CHUNKS_PAD=_next_pow2(chunks), CHUNK=RACE_CHUNK, BLOCK_V=RACE_BLOCK_V, GREEDY=greedy,
+        num_warps=4,
     )
-    return part_idx.gather(1, part_score.argmax(dim=1, keepdim=True)).squeeze(1)  # first chunk on a tie
+    return tokens
 
 
 def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
@@ -368,8 +418,10 @@ def race_noise_ref(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> t
 
 
 def race_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                    counters: torch.Tensor) -> torch.Tensor:
+                    counters: torch.Tensor, greedy: bool = False) -> torch.Tensor:
     _check_race_args(logits, temperature, seeds, counters)
+    if greedy:
+        return logits.argmax(dim=1)
     u = race_noise_ref(seeds, counters, logits.shape[1])  # [S, V]: what makes this path memory-heavy
     t = temperature.float()[:, None]
     score = torch.where(t == 0, logits, logits / t.clamp(min=1e-5) - torch.log(-torch.log(u)))
@@ -1003,7 +1055,7 @@ def _paged_attention_kernel(
     out_ptr,  # [T, H, D] contiguous: written here by rows whose keys fit one split
     part_out_ptr,  # [NUM_SPLITS, T, H, D] float32 unnormalised (used when NUM_SPLITS > 1)
     part_ml_ptr,  # [NUM_SPLITS, T, H, 2] float32 running max and sum (same)
-    part_count_ptr,  # [T, H] int32 splits this row used; 1 = already final in out (same)
+    tickets_ptr,  # [>= B * Hkv] int32 zeros: per (request, kv head), splits done so far (same)
     num_tokens,  # T
     stride_qt,
     stride_qh,
@@ -1068,48 +1120,44 @@ def _paged_attention_kernel(
     )
     row = token * NUM_HEADS + head  # [BLOCK_M] (token, head) row of out
     if NUM_SPLITS > 1:
-        if split == 0:
-            tl.store(part_count_ptr + row, tl.zeros([BLOCK_M], dtype=tl.int32) + splits_used, mask=row_ok)
-    # A context that fits one split (all of them when NUM_SPLITS == 1) is final here: no partial, no merge.
-    if splits_used == 1:
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
-        tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        part_row = split * num_tokens * NUM_HEADS + row
-        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
-        tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
+        if splits_used > 1:
+            # Not final: publish this split's partial, and the split that finishes last merges them all.
+            part_row = split * num_tokens * NUM_HEADS + row
+            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
+            tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
+            q_tiles = tl.num_programs(2) // NUM_SPLITS
+            ticket_ptr = tickets_ptr + (req * tl.num_programs(1) + kv_head) * q_tiles + q_tile
+            if not _last_to_finish(ticket_ptr, splits_used):
+                return
+            m, l, acc = _merge_splits(m, l, acc, split, splits_used, row, row_ok, num_tokens * NUM_HEADS,
+                                      part_out_ptr, part_ml_ptr, HEAD_DIM)
+    # A context that fits one split (all of them when NUM_SPLITS == 1) is final here, with no partials.
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_out_ptr,  # [NUM_SPLITS, T * H, D] float32 unnormalised partial outputs
-    part_ml_ptr,  # [NUM_SPLITS, T * H, 2] float32 partial max (base 2) and sum
-    part_count_ptr,  # [T * H] int32 splits each row used
-    out_ptr,  # [T * H, D]
-    num_rows,  # T * H
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
-):
-    # Log-sum-exp merge: rescale each split by 2^(m_split - m_max). Splits that saw no key (causal rows
-    # before a split's first key) carry m = NEG_BIG and l = 0 and so add nothing. Only the splits the
-    # row used were written; a row that used one is already final in out.
-    row = tl.program_id(0).to(tl.int64)
-    count = tl.load(part_count_ptr + row)
-    if count == 1:
-        return
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < count
-    part_row = splits * num_rows + row  # [SPLITS_PAD]
-    m = tl.load(part_ml_ptr + part_row * 2, mask=split_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part_row * 2 + 1, mask=split_ok, other=0.0)
-    scale = tl.exp2(m - tl.max(m, axis=0))  # [SPLITS_PAD]
-    total = tl.sum(l * scale, axis=0)
+def _merge_splits(m, l, acc, split, splits_used, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr,
+                  HEAD_DIM: tl.constexpr):
+    """Log-sum-exp merge of this split's (m, l, acc), still in registers, with the other splits' partials:
+    rescale each by 2^(m_split - m_max). A split that saw no key of a row (m = NEG_BIG, l = 0) adds
+    nothing. Loads go to L2 (.cg): the partials were written by programs on other SMs."""
     dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
-    out = tl.sum(acc * scale[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    for other in range(0, splits_used):
+        if other != split:
+            part_row = other * rows_per_split + row
+            m_o = tl.load(part_ml_ptr + part_row * 2, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+            l_o = tl.load(part_ml_ptr + part_row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+            acc_o = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
+                            other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, m_o)
+            alpha, beta = tl.exp2(m - m_new), tl.exp2(m_o - m_new)
+            acc = acc * alpha[:, None] + acc_o * beta[:, None]
+            l = l * alpha + l_o * beta
+            m = m_new
+    return m, l, acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -1200,26 +1248,27 @@ def paged_attention(
         # More splits than the longest context the block table holds can fill would all exit at once.
         max_splits = triton.cdiv(block_table.shape[1] * page_size, block_n * min_split_tiles)
         num_splits = _attention_num_splits(b * hkv, max_splits, q.device)
+    if b * hkv * q_tiles > MAX_TICKETS:  # a grid this big fills the GPU without splitting
+        num_splits = 1
     if num_splits > 1:
         part_out = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, t, h, 2), dtype=torch.float32, device=q.device)
-        part_count = torch.empty((t, h), dtype=torch.int32, device=q.device)
+        tickets = _tickets(q.device)
     else:
-        part_out = part_ml = part_count = out  # unused
+        part_out = part_ml = tickets = out  # unused
     _paged_attention_kernel[(b, hkv, q_tiles * num_splits)](
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, part_count, t,
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, tickets, t,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         MIN_SPLIT_TILES=min_split_tiles, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=8 if block_m >= 128 else 4, num_stages=3,
+        # Decode (one query tile): 2 stages, not 3. Each stage holds a K and a V tile in shared memory, so
+        # fewer stages let more programs share an SM, and at short contexts (a tile or two per program)
+        # that hides more latency than a deeper pipeline: 6.4 vs 7.0 us per layer at batch 16 and 36 vs
+        # 39 at 256 (80-token contexts), and no slower at 1K-2K contexts (H200 sweep, bf16).
+        num_warps=8 if block_m >= 128 else 4, num_stages=2 if q_tiles == 1 else 3,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(t * h,)](
-            part_out, part_ml, part_count, out, t * h,
-            HEAD_DIM=d, SPLITS_PAD=_next_pow2(num_splits), num_warps=4,
-        )
     return out
 
 

@@ -559,6 +559,21 @@ def test_race_sample_kernel_equals_reference():
     assert tokens[0] == logits[0].argmax() and logits[1, tokens[1]] > float("-inf")
 
 
+@pytest.mark.parametrize("vocab", [300, 3 * kernels.RACE_CHUNK + 7])
+def test_race_sample_greedy_path(vocab):
+    """greedy=True is argmax with the lowest id on a tie, also across chunks (the last chunk to finish
+    picks among them), call after call with new logits, and it leaves the ticket counters at zero."""
+    temperature, seeds, counters = (torch.zeros(3, device=DEVICE), torch.arange(3, device=DEVICE),
+                                    torch.zeros(3, dtype=torch.long, device=DEVICE))
+    for seed in range(3):
+        logits = _randn(3, vocab, seed=70 + seed)
+        logits[1, [vocab - 1, 5]] = 100.0  # a tie across chunks: id 5 wins
+        tokens = kernels.race_sample(logits, temperature, seeds, counters, greedy=True)
+        assert torch.equal(tokens, logits.argmax(dim=1)) and tokens[1] == 5
+        assert torch.equal(tokens, kernels.race_sample(logits, temperature, seeds, counters))
+        assert kernels._tickets(DEVICE).count_nonzero() == 0
+
+
 def test_staging_packs_every_array_16_byte_aligned():
     """Staged tensors start on 16 bytes whatever the step's sizes (Triton compiles per alignment), and
     round-trip exactly."""
@@ -1300,6 +1315,15 @@ def test_kernel_paged_attention_decode_splits():
     # Long block table, one request, one kv head: the default picks splits only on GPUs, so force them.
     for splits in (2, 7):
         _check_attention([1, 1], [300, 5], h=2, hkv=1, d=32, page=16, max_blocks=20, seed=25, num_splits=splits)
+
+
+def test_kernel_paged_attention_splits_merge_in_kernel():
+    # The last split to finish merges: calls in a row, each with new data (stale partials or outputs of
+    # the call before would show), must each be right and leave every ticket counter back at zero.
+    for seed, splits in enumerate((3, 5, 3, 2), start=40):
+        _check_attention([1, 1, 1], [300, 140, 90], h=4, hkv=2, d=32, page=16, max_blocks=20, seed=seed,
+                         num_splits=splits)
+        assert kernels._tickets(DEVICE).count_nonzero() == 0, "a merging split must reset its counter"
 
 
 def test_kernel_paged_attention_all_padding():
