@@ -31,6 +31,13 @@ MIN_PROGRAMS = 256
 # with their number (H200: 2.4 us at 8, 46 us at 16384, against ~125 us for torch's sort at 8K-32K); past
 # this many it is expected to lose to the parallel sort of the torch path. Both are sync-free.
 MOE_ALIGN_KERNEL_MAX_ASSIGNMENTS = 32768
+# fused_moe: up to this many tokens take the decode path (two GEMV kernels, one program per assignment,
+# no moe_align, no silu_and_mul launch, the top-k sum in registers) instead of sorting assignments into
+# padded blocks. At 4 tokens x top-8 of 128 experts nearly every assignment has an expert to itself, so
+# sorting saves no weight reads and costs three launches; with more tokens, assignments that share an
+# expert each re-read its weights and the sorted path should win. A guess: tune it on the H200 with the
+# fused_moe_decode rows of `run.py kernels --only moe`.
+MOE_DECODE_MAX_TOKENS = 4
 # Paged attention: keys per tile (a tile spans several paged blocks, gathered token by token).
 ATTN_BLOCK_N = 64
 # Paged attention: query rows (query tokens x heads of one kv group) per program at prefill.
@@ -724,6 +731,158 @@ def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------------------
+# Fused MoE at decode: a GEMV per assignment, no sorting; the weighted top-k sum in registers
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    x_ptr,  # [N, D] tokens, row stride stride_xm
+    w_ptr,  # [E, 2I, D] expert gate_up weights, gate rows first
+    topk_ids_ptr,  # [A] contiguous: expert of assignment a = token * top_k + j
+    act_ptr,  # [A, I] float32 out: silu(gate) * up
+    top_k,
+    inter,  # I
+    hidden,  # D
+    stride_xm,
+    stride_we,
+    stride_wn,
+    BLOCK_N: tl.constexpr,  # gate (and as many up) rows per program
+    BLOCK_K: tl.constexpr,
+):
+    # One row of activations: plain FMAs into one accumulator per loaded weight element, summed over K
+    # once after the loop, as linear()'s M = 1 path does (tl.dot would pad the single row to 16).
+    a = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    expert = tl.load(topk_ids_ptr + a).to(tl.int64)
+    x_row = x_ptr + (a // top_k).to(tl.int64) * stride_xm
+    gate_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    up_rows = gate_rows + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_K]
+        mask = col_ok[:, None] & k_ok[None, :]
+        # [BLOCK_N, BLOCK_K] each, K contiguous: 16-byte loads
+        acc_gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    gate = tl.sum(acc_gate, axis=1)  # [BLOCK_N]
+    up = tl.sum(acc_up, axis=1)
+    tl.store(act_ptr + a.to(tl.int64) * inter + cols, gate * tl.sigmoid(gate) * up, mask=col_ok)
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    act_ptr,  # [A, I] float32, row token * top_k + j
+    w_ptr,  # [E, D, I] expert down weights
+    topk_ids_ptr,  # [A] contiguous
+    topk_weights_ptr,  # [A] contiguous router weights
+    out_ptr,  # [N, D] contiguous
+    top_k,
+    hidden,  # D, output features
+    inter,  # I
+    stride_we,
+    stride_wn,
+    BLOCK_N: tl.constexpr,  # output features per program
+    BLOCK_K: tl.constexpr,
+):
+    # A program owns BLOCK_N output features of one token and walks that token's top_k experts in order,
+    # so the weighted sum over experts happens in registers, in the same order on every run: no atomics,
+    # no [A, D] intermediate, no separate sum. The router weight scales the activation row (w * (W @ h)
+    # = W @ (w * h)), so one accumulator serves all experts and is reduced over K once at the end.
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for j in range(0, top_k):
+        a = t * top_k + j
+        expert = tl.load(topk_ids_ptr + a).to(tl.int64)
+        router_w = tl.load(topk_weights_ptr + a).to(tl.float32)
+        w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        act_row = act_ptr + a.to(tl.int64) * inter
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < inter
+            h = tl.load(act_row + ks, mask=k_ok, other=0.0) * router_w  # [BLOCK_K] float32
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * h[None, :]
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int,
+                      tiles: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a decode MoE kernel whose grid is rows x cdiv(n_out, BLOCK_N) and
+    which streams `tiles` [BLOCK_N, BLOCK_K] weight tiles per K step (2 for gate_up, 1 for down).
+
+    linear()'s M = 1 rules: the widest BLOCK_N up to 16 that still leaves MIN_PROGRAMS programs (two per
+    SM), and LINEAR_TILE_BYTES of weights per program per step, narrower when K is short. Qwen3-30B-A3B in
+    bf16 at 1 token: gate_up 8 assignments x 48 tiles of 16 rows, BLOCK_K 256 (two 8 KB tiles); down 256
+    tiles of 8 rows, BLOCK_K 1024 (one 12 KB tile, I = 768 of 1024 lanes). A separate function so a sweep
+    can pass other triples to fused_moe_decode."""
+    block_n = 16
+    while block_n > 1 and rows * triton.cdiv(n_out, block_n) < MIN_PROGRAMS:
+        block_n //= 2
+    block_k = min(LINEAR_TILE_BYTES // (tiles * block_n * element_size), _next_pow2(k_in))
+    # 8 warps spread a 16 KB tile at 4 x 16 B loads per thread (32 fp32 accumulators), as linear() does.
+    return block_n, block_k, _elementwise_warps(tiles * block_n * block_k)
+
+
+def _check_decode_blocks(name: str, blocks) -> None:
+    block_n, block_k, num_warps = blocks
+    for what, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", num_warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}: {what}={v} is invalid: it must be a power of two")
+
+
+def fused_moe_decode(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_blocks: tuple[int, int, int] | None = None,
+    down_blocks: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """fused_moe for a few tokens, in two launches: a gate_up GEMV with silu * up per assignment, then a
+    down GEMV per token that sums its top_k experts. Same arguments and result as fused_moe (reference:
+    fused_moe_ref); *_blocks override moe_decode_blocks' (BLOCK_N, BLOCK_K, num_warps).
+
+    Every assignment streams its expert's weights on its own, so two tokens that share an expert read it
+    twice: right for a handful of tokens (see MOE_DECODE_MAX_TOKENS), wasteful for a batch."""
+    _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids)
+    n, d = x.shape
+    inter, top_k = gate_up.shape[1] // 2, topk_ids.shape[1]
+    num_assignments = n * top_k
+    if num_assignments == 0:
+        return torch.zeros_like(x)
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)  # every element written by the down kernel
+    gate_up_blocks = gate_up_blocks or moe_decode_blocks(num_assignments, inter, d, gate_up.element_size(), 2)
+    down_blocks = down_blocks or moe_decode_blocks(n, d, inter, down.element_size(), 1)
+    _check_decode_blocks("gate_up_blocks", gate_up_blocks)
+    _check_decode_blocks("down_blocks", down_blocks)
+    ids = topk_ids.contiguous()  # [N, k]: no copy for moe_route's outputs
+    router_w = topk_weights.contiguous()
+    # float32 between the kernels: 24 KB at 1 token x top-8 x I=768, read from L2, and the output is
+    # rounded once, at the end.
+    act = torch.empty((num_assignments, inter), dtype=torch.float32, device=x.device)  # [A, I]
+    block_n, block_k, num_warps = gate_up_blocks
+    _moe_decode_gate_up_kernel[(num_assignments, triton.cdiv(inter, block_n))](
+        x, gate_up, ids, act, top_k, inter, d, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    block_n, block_k, num_warps = down_blocks
+    _moe_decode_down_kernel[(n, triton.cdiv(d, block_n))](
+        act, down, ids, router_w, out, top_k, d, inter, down.stride(0), down.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out
+
+
 def _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids) -> None:
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"expected x [N, D], gate_up [E, 2I, D], down [E, D, I], got shapes "
@@ -736,6 +895,10 @@ def _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids) -> None:
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights must both be [{n}, k], got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"gate_up and down must have x's dtype {x.dtype}, got {gate_up.dtype} and {down.dtype}")
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down)):
         _check_last_dim_contiguous(name, t)
 
@@ -746,11 +909,18 @@ def fused_moe(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    decode_max_tokens: int = MOE_DECODE_MAX_TOKENS,
 ) -> torch.Tensor:
     """out[n] = sum_j w[n, j] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])), e = topk_ids[n, j].
 
-    x [N, D], gate_up [E, 2I, D] (gate rows first), down [E, D, I], topk_* [N, k] -> out [N, D]."""
+    x [N, D], gate_up [E, 2I, D] (gate rows first), down [E, D, I], topk_* [N, k] -> out [N, D].
+    Up to decode_max_tokens tokens run fused_moe_decode; more sort the assignments by expert and run a
+    grouped GEMM per projection. A benchmark forces the sorted path with 0, the decode path with N."""
     _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids)
+    if decode_max_tokens < 0:
+        raise ValueError(f"decode_max_tokens={decode_max_tokens} is invalid: it must be >= 0")
+    if x.shape[0] <= decode_max_tokens:
+        return fused_moe_decode(x, gate_up, down, topk_weights, topk_ids)
     n, d = x.shape
     num_experts, two_i, _ = gate_up.shape
     top_k = topk_ids.shape[1]

@@ -1216,8 +1216,79 @@ def test_kernel_fused_moe(n, top_k, num_experts, d, inter, only):
     gate_up = _randn(num_experts, 2 * inter, d, seed=12) / d**0.5
     down = _randn(num_experts, d, inter, seed=13) / inter**0.5
     weights, ids = _routing(n, top_k, num_experts, seed=14, only=only)
-    out = kernels.fused_moe(x, gate_up, down, weights, ids)
+    out = kernels.fused_moe(x, gate_up, down, weights, ids, decode_max_tokens=0)  # the sorted path at any n
     torch.testing.assert_close(out, kernels.fused_moe_ref(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-4)
+
+
+# Distinct experts per token, and shared between tokens: expert 3 is in every token's top 2 but the third's,
+# and tokens 0, 1 and 3 also share expert 0 from top 3 on.
+SHARED_IDS = [[3, 0, 5, 7], [6, 3, 1, 0], [2, 7, 4, 6], [3, 1, 0, 5]]
+
+
+def _moe_decode_case(n: int, top_k: int, d: int, inter: int, num_experts: int = 8):
+    x = _randn(n, d, seed=15)
+    gate_up = _randn(num_experts, 2 * inter, d, seed=16) / d**0.5
+    down = _randn(num_experts, d, inter, seed=17) / inter**0.5
+    ids = torch.tensor(SHARED_IDS, device=DEVICE)[:n, :top_k]
+    weights = (0.5 + torch.rand(n, top_k, generator=_gen(18))).to(DEVICE)  # far from 0 and from each other
+    return x, gate_up, down, weights, ids
+
+
+# Few wide programs keep the interpreter fast; 4 KB tiles give BLOCK_N 16 and BLOCK_K 32 (gate_up) or 64
+# (down), so D = 64 takes two K steps and D = 40, I = 24 leave ragged tails in both N and K.
+@pytest.mark.parametrize("n,top_k,d,inter", [(1, 2, 64, 32), (2, 4, 64, 32), (3, 3, 40, 24), (4, 2, 64, 32)])
+def test_kernel_fused_moe_decode(monkeypatch, n, top_k, d, inter):
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
+    _poison_empty(monkeypatch)
+    args = _moe_decode_case(n, top_k, d, inter)
+    out = kernels.fused_moe_decode(*args)
+    assert out.shape == (n, d) and out.dtype == args[0].dtype
+    torch.testing.assert_close(out, kernels.fused_moe_ref(*args), atol=1e-5, rtol=1e-4)
+
+
+def test_kernel_fused_moe_decode_explicit_blocks():
+    # Blocks a sweep might pass: several K steps with ragged tails in both kernels, ragged N tiles, 1 row.
+    args = _moe_decode_case(3, 4, 40, 24)
+    want = kernels.fused_moe_ref(*args)
+    for gate_up_blocks, down_blocks in [((16, 16, 4), (16, 16, 4)), ((1, 64, 1), (8, 8, 2))]:
+        out = kernels.fused_moe_decode(*args, gate_up_blocks=gate_up_blocks, down_blocks=down_blocks)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+
+
+def test_kernel_fused_moe_picks_path_by_tokens(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    calls = []
+    decode = kernels.fused_moe_decode
+    monkeypatch.setattr(kernels, "fused_moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or decode(*a, **kw))
+    x, gate_up, down, weights, ids = args = _moe_decode_case(4, 3, 32, 16)
+    sorted_out = kernels.fused_moe(*args, decode_max_tokens=3)
+    assert calls == []
+    decode_out = kernels.fused_moe(*args, decode_max_tokens=4)
+    assert calls == [4]
+    torch.testing.assert_close(decode_out, sorted_out, atol=1e-5, rtol=1e-4)
+    kernels.fused_moe(x[:1], gate_up, down, weights[:1], ids[:1])
+    assert calls == [4, 1], "by default one token takes the decode path"
+
+
+def test_kernel_fused_moe_decode_rejects_bad_input():
+    x, gate_up, down, weights, ids = _moe_decode_case(2, 2, 32, 16)
+    cases = [
+        ("gate_up", dict(gate_up=gate_up[:, :, :16])),
+        ("down", dict(down=down[:, :, :8])),
+        ("topk_ids", dict(topk_ids=ids[:1])),
+        ("topk_ids", dict(topk_ids=ids.float())),
+        ("topk_weights", dict(topk_weights=weights[:, :1])),
+        ("dtype", dict(down=down.double())),
+    ]
+    for name, bad in cases:
+        kw = dict(x=x, gate_up=gate_up, down=down, topk_weights=weights, topk_ids=ids) | bad
+        with pytest.raises(ValueError, match=name):
+            kernels.fused_moe_decode(**kw)
+    with pytest.raises(ValueError, match="decode_max_tokens=-1"):
+        kernels.fused_moe(x, gate_up, down, weights, ids, decode_max_tokens=-1)
+    with pytest.raises(ValueError, match="gate_up_blocks: BLOCK_N=12"):
+        kernels.fused_moe_decode(x, gate_up, down, weights, ids, gate_up_blocks=(12, 16, 4))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1413,6 +1484,24 @@ def test_kernel_gpu_fused_moe_bf16(n):
 
 
 @needs_cuda
+@pytest.mark.parametrize("n", [1, 4])
+def test_kernel_gpu_fused_moe_decode_bf16(n):
+    num_experts, d, inter, top_k = 128, 2048, 768, 8
+    x = _randn(n, d, seed=45, device=CUDA_DEVICE, dtype=BF16)
+    gate_up = (_randn(num_experts, 2 * inter, d, seed=46, device=CUDA_DEVICE) / d**0.5).to(BF16)
+    down = (_randn(num_experts, d, inter, seed=47, device=CUDA_DEVICE) / inter**0.5).to(BF16)
+    weights, ids = _routing(n, top_k, num_experts, seed=48, device=CUDA_DEVICE)
+    ids = torch.where(ids == 5, ids[:, :1], ids)  # every token shares expert 5, each still distinct
+    ids[:, 0] = 5
+    weights = weights.to(BF16)  # as moe_route returns them
+    args = (x, gate_up, down, weights, ids)
+    out = kernels.fused_moe_decode(*args)
+    torch.testing.assert_close(out, kernels.fused_moe_ref(*args), **BF16_GEMM_TOL)
+    torch.testing.assert_close(out, kernels.fused_moe(*args, decode_max_tokens=0), **BF16_GEMM_TOL)
+    assert torch.equal(out, kernels.fused_moe_decode(*args)), "no atomics: the same bits on every run"
+
+
+@needs_cuda
 @pytest.mark.parametrize("q_lens,seq_lens,num_splits", [
     ([1] * 4, [8000, 1, 0, 555], None),  # decode, few programs: splits chosen from the SM count
     ([300, 1, 17, 1], [300, 4000, 1000, 0], None),  # mixed prefill / decode / padding
@@ -1453,7 +1542,8 @@ def test_kernel_gpu_no_host_sync():
         kernels.moe_align(ids, 128, 16)
         kernels.moe_align(big_ids, 128, 64)  # above the kernel threshold: the torch path
         kernels.moe_align_ref(ids, 128, 16)
-        kernels.fused_moe(x, gate_up, down, weights, ids)
+        kernels.fused_moe(x, gate_up, down, weights, ids)  # 16 tokens: the sorted path
+        kernels.fused_moe(x[:2], gate_up, down, weights[:2], ids[:2])  # the decode path
         kernels.paged_attention(q_att, *tensors, d**-0.5, 1)  # splits chosen automatically
         kernels.paged_attention(q_att, *tensors, d**-0.5, 1, num_splits=4)
         kernels.paged_attention(q_pre, *tensors_pre, d**-0.5, 20)
