@@ -506,7 +506,7 @@ def _bench_matrix(model: str, name: str, k: int, n: int, m: int) -> dict:
     us = _time_us(lambda: kernels.linear(x, next(ours)), rep=LINEAR_REP_MS)
     cublas_us = _time_us(lambda: torch.nn.functional.linear(x, next(theirs)), rep=LINEAR_REP_MS)
     floor_us = weight_bytes / BANDWIDTH * 1e6
-    block_m, block_n, block_k, use_dot = kernels._linear_blocks(m, n, k, 2)
+    block_m, block_n, block_k, use_dot, _ = kernels._linear_blocks(m, n, k, 2)
     return dict(kernel="linear", model=model, matrix=name, M=m, N=n, K=k, us=round(us, 2),
                 cublas_us=round(cublas_us, 2), floor_us=round(floor_us, 2), pct_of_bw=round(100 * floor_us / us, 1),
                 cublas_pct_of_bw=round(100 * floor_us / cublas_us, 1), speedup=round(cublas_us / us, 2),

@@ -1655,12 +1655,18 @@ SHAPES = {  # name: (K, N)
 @pytest.mark.parametrize("m", [1, 2, 16])
 def test_kernel_linear_block_choice(m):
     for name, (k, n) in SHAPES.items():
-        block_m, block_n, block_k, use_dot = kernels._linear_blocks(m, n, k, 2)
+        block_m, block_n, block_k, use_dot, num_warps = kernels._linear_blocks(m, n, k, 2)
         programs = -(-n // block_n)
-        assert use_dot == (m > 1) and block_m >= m, name
+        assert use_dot == (m > 1) and block_m >= m and num_warps == 4, name
         # Two programs per SM, unless the narrowest block allowed (16 for tl.dot) still gives fewer.
         assert programs >= kernels.MIN_PROGRAMS or block_n == (kernels.MIN_DOT if use_dot else 1), name
-        assert block_n * block_k * 2 == kernels.LINEAR_TILE_BYTES or block_k >= k, name
+        tile = block_n * block_k * 2
+        assert tile <= kernels.LINEAR_TILE_BYTES, name
+        if use_dot:
+            assert tile == kernels.LINEAR_TILE_BYTES or block_k >= k, name
+        else:  # a full tile, unless K is shorter or a full tile would leave the last K step mostly masked
+            assert tile == kernels.LINEAR_TILE_BYTES or block_k >= k or (-k % (2 * block_k)) * 4 > k, name
+            assert (-k % block_k) * 4 <= k, name
 
 
 # ---------------------------------------------------------------------------------------------------
