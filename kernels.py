@@ -38,6 +38,10 @@ MOE_ALIGN_KERNEL_MAX_ASSIGNMENTS = 32768
 # expert each re-read its weights and the sorted path should win. A guess: tune it on the H200 with the
 # fused_moe_decode rows of `run.py kernels --only moe`.
 MOE_DECODE_MAX_TOKENS = 4
+# ... whose gate_up kernel takes (BLOCK_N, BLOCK_K, num_warps) = these on 16-bit weights: narrower, shorter
+# tiles than linear()'s (two 2 KB tiles a step, 768 programs at 1 token) measured fastest in an H200
+# sweep at Qwen3-30B-A3B shapes: 24.3 against 27.1 us for the layer at 1 token, 77.6 against 86.7 at 4.
+MOE_DECODE_GATE_UP_BLOCKS = (8, 128, 8)
 # Paged attention: keys per tile (a tile spans several paged blocks, gathered token by token).
 ATTN_BLOCK_N = 64
 # Paged attention: query rows (query tokens x heads of one kv group) per program at prefill.
@@ -72,10 +76,13 @@ LINEAR_MAX_M = 16
 # ... one row runs on CUDA-core FMAs (one per weight element, ~6% of the H200's fp32 peak at 4.3 TB/s);
 # 2..16 rows pad to 16 and run on tl.dot, since 16 FMAs per element would reach that peak and make the
 # arithmetic, not the memory, the limit.
-# Weight bytes per program per K step: 16 KB in flight per program (8192 bf16, 8 x 16 B loads per thread
-# at 4 warps on the FMA path); two or more programs per SM then keep the ~32 KB per SM in flight that
+# Weight bytes per program per K step: 16 KB in flight per program (8192 bf16, 4-8 x 16 B loads per
+# thread on the FMA path); two or more programs per SM then keep the ~32 KB per SM in flight that
 # 4.3 TB/s needs at ~1 us DRAM latency.
 LINEAR_TILE_BYTES = 16384
+# ... and on the one-row path, rows that split into whole steps of this many elements take it as the
+# K step (see _linear_blocks).
+LINEAR_LONG_K = 2048
 # Stands in for -inf as the running max: exp2(m_old - m_new) stays finite (no inf - inf = NaN) even for
 # query rows that see no key at all (padding requests with seq_len 0). A constexpr so kernels may read it.
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -861,7 +868,9 @@ def fused_moe_decode(
     if num_assignments == 0:
         return torch.zeros_like(x)
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)  # every element written by the down kernel
-    gate_up_blocks = gate_up_blocks or moe_decode_blocks(num_assignments, inter, d, gate_up.element_size(), 2)
+    if gate_up_blocks is None:
+        gate_up_blocks = (MOE_DECODE_GATE_UP_BLOCKS if gate_up.element_size() == 2 else
+                          moe_decode_blocks(num_assignments, inter, d, gate_up.element_size(), 2))
     down_blocks = down_blocks or moe_decode_blocks(n, d, inter, down.element_size(), 1)
     _check_decode_blocks("gate_up_blocks", gate_up_blocks)
     _check_decode_blocks("down_blocks", down_blocks)
@@ -1556,18 +1565,21 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
             block_n //= 2
         block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
         return block_m, block_n, block_k, use_dot, num_warps
-    # One row: few weight rows per program and long K steps, 4 warps. An H200 sweep over BLOCK_N 4-32,
-    # 8-32 KB tiles and 4 or 8 warps at the Llama-3.2-1B and Qwen3-0.6B shapes found 4 rows of 2048 bf16
-    # within 1-2% of the best everywhere, up to 7% faster than 16 rows of 512 (lm_head 120 vs 126 us,
-    # Llama's gate_up 17.7 vs 19.0): each thread then streams long contiguous runs of one row. Halved
-    # while the last K step would load mostly masked-off columns (K = 3072 takes 1024, not 2048).
-    block_n = 4
+    # One row, two tile shapes from an H200 sweep (BLOCK_N 2-32, 8-32 KB tiles, 4 or 8 warps, one call per
+    # layer in a CUDA graph) at the shapes of Qwen3-0.6B, Llama-3.2-1B and Llama-3-8B. When a row splits
+    # into whole LINEAR_LONG_K steps, a few rows of that length at 4 warps (each thread streams long runs
+    # of one row): 3-7% faster than the other shape there (Llama-3.2-1B lm_head 121.5 vs 124.8 us, Llama-3-8B
+    # gate_up 54.6 vs 57.9). Otherwise (Qwen3-0.6B's K = 1024 and 3072) the widest BLOCK_N up to 16 that
+    # still leaves MIN_PROGRAMS programs, at 8 warps, which was 5-20% faster there.
+    if k % LINEAR_LONG_K == 0:
+        block_n, block_k, num_warps = max(1, LINEAR_TILE_BYTES // (LINEAR_LONG_K * element_size)), LINEAR_LONG_K, 4
+    else:
+        block_n, num_warps = 16, 8
     while block_n > 1 and triton.cdiv(n, block_n) < MIN_PROGRAMS:
         block_n //= 2
-    block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
-    while block_k > MIN_DOT and (-k % block_k) * 4 > k:
-        block_k //= 2
-    return 1, block_n, block_k, use_dot, 4
+    if k % LINEAR_LONG_K:
+        block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
+    return 1, block_n, block_k, use_dot, num_warps
 
 
 def _check_linear_args(x, weight, bias) -> None:
