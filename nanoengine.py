@@ -16,7 +16,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
 
@@ -617,12 +617,33 @@ class Staging:
         return [dev[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
 
 
+@dataclass(eq=False)
+class DecodeRows:
+    """A decode batch kept from step to step while the running set is unchanged (the scheduler's
+    SteadyDecode), so that a step costs a few numpy operations whatever the batch size.
+
+    From one such step to the next every request moves on by one token: its position, its KV slot and
+    its sequence length are all +1, and its sampling settings do not change. So the arrays here are
+    advanced in place, and only rows whose new token starts a block are looked up in the block table.
+    The settings, query_start_loc and logits_indices are staged once, when the set forms."""
+    steady: object                 # the scheduler's SteadyDecode these rows follow
+    step: int                      # the scheduler step the arrays hold
+    rows: np.ndarray               # (n,) each request's persistent row
+    ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (the sampled token's index)
+    seq_lens: np.ndarray           # (n,) int32
+    block_table: np.ndarray        # (n, width) int32: the columns this step's longest request needs
+    query_start_loc: torch.Tensor  # (n + 1,) int32 on the device: 0, 1, ..., n
+    logits_indices: torch.Tensor   # (n,) int64 on the device: every row samples
+    sampling: "SamplingBatch"      # its counters are replaced each step
+
+
 class ModelRunner:
     """Owns the KV cache and turns a SchedulerOutput into a Batch, a forward and sampled tokens.
 
     Host work per step is what limits big batches on a fast GPU, so per-request state lives in
     persistent rows (block table, sampling settings) that change only when a request joins or gets a
-    new block, and a decode step is built with a handful of numpy operations over those rows."""
+    new block. A decode step of an unchanged running set goes further (DecodeRows): last step's batch,
+    one token on, with last step's sampled tokens as its inputs, straight from the device."""
 
     def __init__(self, model: Model, cfg: EngineConfig, num_blocks: int, max_len: int):
         mc = model.config
@@ -647,6 +668,7 @@ class ModelRunner:
         self.top_p = np.zeros(rows, dtype=np.float32)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
+        self.decode: DecodeRows | None = None
         T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
         self.staging = Staging(self.device, {"int64": 6 * T + 4 * S, "int32": 2 * S + 1 + S * self.max_blocks_per_seq,
                                              "float32": 2 * S})
@@ -657,7 +679,7 @@ class ModelRunner:
                                       use_cuda_graphs=self.device.type == "cuda")
 
     # -- persistent rows ------------------------------------------------------------------------------
-    def rows(self, reqs: list[Request]) -> np.ndarray:
+    def rows(self, reqs: tuple[Request, ...]) -> np.ndarray:
         """Each request's row, with its block-table row brought up to date (only new blocks are copied).
         A preempted request's row was released (its blocks went back), so it starts afresh."""
         row_of = self.row_of
@@ -665,12 +687,15 @@ class ModelRunner:
         if None in rows:
             rows = [self._new_row(r) if i is None else i for r, i in zip(reqs, rows)]
         rows = np.array(rows, dtype=np.int64)
+        self._sync_blocks(rows, reqs)
+        return rows
+
+    def _sync_blocks(self, rows: np.ndarray, reqs):
         nblocks = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
         for i in np.flatnonzero(nblocks != self.row_nblocks[rows]).tolist():
             row, blocks, n0 = rows[i], reqs[i].block_ids, self.row_nblocks[rows[i]]
             self.table[row, n0:len(blocks)] = blocks[n0:]
             self.row_nblocks[row] = len(blocks)
-        return rows
 
     def _new_row(self, req: Request) -> int:
         if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
@@ -691,29 +716,29 @@ class ModelRunner:
             self.free_rows.append(row)
 
     # -- one step's tensors ---------------------------------------------------------------------------
-    def prepare(self, out) -> tuple[Batch, SamplingBatch, list]:
+    def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
-        reqs, bs = out.requests, self.block_size
-        rows = self.rows(reqs)
-        starts = np.array(out.starts, dtype=np.int64)
+        if out.steady is not None and out.requests is self.prev_sampling:
+            return self._prepare_steady(out)
+        reqs = out.requests
+        rows, starts = self.rows(reqs), out.starts
         if out.is_decode:  # one token per request, each at position start: all vectorised
             ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
             pos, seq_lens = starts, starts + 1
-            slots = self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+            slots = self._slots(rows, pos)
             qsl = np.arange(len(reqs) + 1, dtype=np.int32)
             sampling, srows, logits_indices, max_query_len = reqs, rows, qsl[:-1].astype(np.int64), 1
             counters = seq_lens
         else:
             ids, pos, slots, qsl, seq_lens, sample = self._prepare_mixed(out, rows, starts)
-            sampling = [r for r, s in zip(reqs, out.samples) if s]
+            sampling = tuple(r for r, s in zip(reqs, out.samples) if s)
             srows, logits_indices = rows[sample], (qsl[1:] - 1)[sample].astype(np.int64)
             max_query_len, counters = int((qsl[1:] - qsl[:-1]).max()), seq_lens[sample]
-        width = -(-int(seq_lens.max()) // bs)  # block-table columns this step needs
         # Inputs still on the device (async): PLACEHOLDERs, sampled by the step in flight. Their indices
         # travel in the same pinned copy as the rest; a pageable copy would wait for that step to finish.
         fills = np.flatnonzero(ids == PLACEHOLDER)
-        steady = out.is_decode and len(fills) == len(reqs) and reqs == self.prev_sampling
-        if len(fills) and not steady:
+        same_rows = out.is_decode and len(fills) == len(reqs) and reqs == self.prev_sampling
+        if len(fills) and not same_rows:
             owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
             src = np.array([self.prev_rows[reqs[b]] for b in owners.tolist()], dtype=np.int64)
         else:
@@ -721,12 +746,12 @@ class ModelRunner:
         temperature = self.temperature[srows]
         ints64, ints32, floats = self.staging.to_device(
             [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src],
-            [qsl, seq_lens.astype(np.int32), self.table[rows, :width]],
+            [qsl, seq_lens.astype(np.int32), self.table[rows, :self._width(seq_lens)]],
             [temperature, self.top_p[srows]])
         batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
                       query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
                       logits_indices=ints64[3], max_query_len=max_query_len)
-        if steady:  # the async steady state: every input is the token the same row sampled last step
+        if same_rows:  # every input is the token the same row sampled last step
             batch.input_ids.copy_(self.prev_tokens)
         elif len(fills):
             batch.input_ids[ints64[7]] = self.prev_tokens[ints64[8]]
@@ -734,6 +759,61 @@ class ModelRunner:
                                counters=ints64[5], all_greedy=not temperature.any(),
                                need_filter=bool(self.filtered[srows].any()))
         return batch, sbatch, sampling
+
+    def _slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """(n,) int64 KV slots of the tokens at these positions, one per row."""
+        bs = self.block_size
+        return self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
+
+    def _width(self, seq_lens: np.ndarray) -> int:
+        return -(-int(seq_lens.max()) // self.block_size)  # block-table columns the longest request needs
+
+    def _prepare_steady(self, out) -> tuple[Batch, SamplingBatch, tuple]:
+        """A decode of the same requests as last step: their inputs are last step's sampled tokens, on
+        the device already, and the rest is last step's batch one token on (DecodeRows)."""
+        d = self.decode
+        if d is None or d.steady is not out.steady or d.step != out.step - 1:
+            d = self.decode = self._decode_rows(out)
+        else:
+            self._advance(d, out)
+        (ints64,), (seq_lens, block_table) = self.staging.to_device([d.ints64], [d.seq_lens, d.block_table])
+        batch = Batch(input_ids=self.prev_tokens, positions=ints64[0], slot_mapping=ints64[1],
+                      query_start_loc=d.query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                      logits_indices=d.logits_indices, max_query_len=1)
+        d.sampling.counters = ints64[2]
+        return batch, d.sampling, out.requests
+
+    def _decode_rows(self, out) -> DecodeRows:
+        """The decode batch of out's requests, from their rows and positions; what stays the same while
+        they run together is staged now, once."""
+        reqs, pos = out.requests, out.starts
+        rows, n = self.rows(reqs), len(reqs)
+        temperature = self.temperature[rows]
+        (seeds, top_k, logits_indices), (qsl,), (temperature_t, top_p) = self.staging.to_device(
+            [self.seed[rows], self.top_k[rows], np.arange(n, dtype=np.int64)],
+            [np.arange(n + 1, dtype=np.int32)], [temperature, self.top_p[rows]])
+        sampling = SamplingBatch(temperature=temperature_t, top_k=top_k, top_p=top_p, seeds=seeds,
+                                 counters=None, all_greedy=not temperature.any(),
+                                 need_filter=bool(self.filtered[rows].any()))
+        seq_lens = pos + 1
+        return DecodeRows(steady=out.steady, step=out.step, rows=rows,
+                          ints64=np.stack([pos, self._slots(rows, pos), seq_lens]),
+                          seq_lens=seq_lens.astype(np.int32), block_table=self.table[rows, :self._width(seq_lens)],
+                          query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
+
+    def _advance(self, d: DecodeRows, out):
+        """Every request one token on. Those whose new token starts a block (the scheduler's `entering`,
+        with that block) take their slot from it: its first, and the block table gains it."""
+        d.ints64 += 1
+        d.seq_lens += 1
+        d.step = out.step
+        entering, blocks = out.entering
+        if len(entering):
+            rows, cols = d.rows[entering], d.ints64[0, entering] // self.block_size
+            self.table[rows, cols] = blocks
+            self.row_nblocks[rows] = cols + 1
+            d.ints64[1, entering] = blocks * self.block_size
+            d.block_table = self.table[d.rows, :self._width(d.seq_lens)]
 
     def _prepare_mixed(self, out, rows, starts):
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
@@ -921,7 +1001,7 @@ class Engine:
         if out.requests:
             tokens = self.runner.execute(out)
             t1 = time.perf_counter()
-            tokens = tokens.tolist()
+            tokens = tokens.cpu().numpy()
             self.stats.wait_s += time.perf_counter() - t1
             finished += self.scheduler.update(out, tokens)
         return self._outputs(out, finished, t0)
@@ -943,7 +1023,7 @@ class Engine:
         outputs = [self.output(r) for r in finished]
         st = self.stats
         st.steps += bool(out.requests)
-        st.tokens += sum(out.samples)
+        st.tokens += out.num_samples
         st.total_s += time.perf_counter() - t0
         return outputs
 
@@ -969,7 +1049,7 @@ class Engine:
         t = time.perf_counter()
         if event is not None:
             event.synchronize()
-        tokens = host.tolist()
+        tokens = host.numpy()
         self.stats.wait_s += time.perf_counter() - t
         return self.scheduler.fill(slots, tokens)
 

@@ -5,11 +5,19 @@ what `Scheduler.schedule()` returns into tensors. It imports nothing from the re
 
 The life of a request: WAITING (queued, or preempted) -> RUNNING (holds KV blocks; each step computes some
 of its tokens: a chunk of its prompt, or the one token it sampled last) -> FINISHED (blocks returned).
+
+Most steps are plain decodes of an unchanged running set. Those take a fast path (`SteadyDecode`) whose
+cost is a few numpy operations and one tight loop, however many requests run: see its docstring.
 """
 import hashlib
 import itertools
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+import numpy as np
+
+NO_ONE = np.zeros(0, dtype=np.int64)  # an empty selection of requests
 
 # A token that has been sampled on the device but not yet read back to the host (async scheduling). The
 # next step feeds it to the model straight from the device; the host fills it in one step later.
@@ -53,7 +61,6 @@ class Request:
     num_computed_tokens: int = 0      # tokens whose KV is in the cache (or being written by a launched step)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of this request's full blocks
-    num_pending: int = 0              # PLACEHOLDERs not yet filled in
     status: str = WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival: int = 0                  # FCFS order, kept through preemption
@@ -65,6 +72,12 @@ class Request:
         self.num_prompt_tokens = len(self.token_ids)
 
     @property
+    def pending(self) -> bool:
+        """A token of it is in flight (async). PLACEHOLDERs only ever end token_ids: they are appended at
+        launch and filled in the order of the steps, at most two steps apart."""
+        return self.token_ids[-1] == PLACEHOLDER
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -74,8 +87,9 @@ class Request:
 
 
 def block_hash(parent: bytes, tokens) -> bytes:
-    """Chained hash: a block's identity is its tokens AND everything before it."""
-    return hashlib.blake2b(parent + bytes(str(tuple(tokens)), "ascii"), digest_size=16).digest()
+    """Chained hash: a block's identity is its tokens AND everything before it. The tokens go in as int64
+    bytes (half the cost of formatting them as text: at 256 requests, 16 blocks fill every step)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -136,6 +150,15 @@ class BlockManager:
         total = -(-(req.num_computed_tokens + num_tokens) // self.block_size)
         return max(0, total - len(req.block_ids))
 
+    def add_block(self, reqs: list[Request]):
+        """One more block for each of reqs (decodes whose next token starts a block); the caller has
+        checked that there are enough free blocks."""
+        assert len(reqs) <= self.num_free_blocks, f"{len(reqs)} blocks asked, {self.num_free_blocks} free"
+        for req in reqs:
+            block = self._take()
+            self.ref_count[block] = 1
+            req.block_ids.append(block)
+
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Give req room for num_tokens more tokens; False (and nothing taken) if there is not enough."""
         need = self.blocks_needed(req, num_tokens)
@@ -181,16 +204,77 @@ class BlockManager:
 @dataclass
 class SchedulerOutput:
     """One step's plan: request i computes tokens [starts[i], starts[i] + num_tokens[i])."""
-    requests: list[Request]
-    starts: list[int]
+    requests: tuple[Request, ...]  # a tuple: a plan never changes once made
+    starts: np.ndarray             # (B,) int64
     num_tokens: list[int]
-    samples: list[bool]          # does this request's chunk reach its end (so it samples a token)?
+    samples: list[bool]            # does this request's chunk reach its end (so it samples a token)?
 
-    num_decode: int = 0          # the first num_decode entries are decodes (one token, sampling)
+    num_decode: int = 0            # the first num_decode entries are decodes (one token, sampling)
+    step: int = 0                  # Scheduler.step_id of this plan
+    steady: "SteadyDecode | None" = None  # set when the plan decodes the whole running set
+    # Fast-path plans: (indices of the requests whose token starts a block, the block it starts), int64
+    entering: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def is_decode(self) -> bool:
         return self.num_decode == len(self.requests)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.requests) if self.is_decode else sum(self.samples)
+
+
+def attention_at(count: np.ndarray, last: np.ndarray, block_size: int) -> np.ndarray:
+    """For decodes at counts `count`: the first count >= count at which a request needs more than +1 in
+    a step: its next token starts a block (a multiple of block_size: it may need a block), fills one (one
+    below: publish it), or is its last allowed (async: it must not compute another while that one is in
+    flight)."""
+    fills = count | (block_size - 1)  # the index of the last token of count's block (a power of two)
+    return np.minimum(np.where(count % block_size == 0, count, fills), last)
+
+
+@dataclass(eq=False)
+class SteadyDecode:
+    """The running set as numpy arrays, for the steps that only move every request on by one token.
+
+    At 256 requests the host's work per step is what keeps a fast GPU waiting, and each pass over the
+    requests in Python costs tens of microseconds (after a forward pass their objects are out of the CPU's
+    caches). Yet most steps are the last step's plan one token later: the same requests, each computing
+    the token it sampled last. So when a step decodes the whole running set, its counts are copied into
+    arrays here, and while that set stays the same each step is planned with three numpy operations: one
+    comparison finds the few requests that need more than +1 (`attend_at`: their next token starts a
+    block, fills one, or is their last), and only those are visited one by one.
+
+    While it stands, `computed` is the truth about its requests' counts: they get theirs back
+    (num_computed_tokens) when it is dropped (Scheduler._drop_steady), and only the general path reads
+    them. So a step touches each request once, to append its token, and checks stops on arrays.
+
+    Valid while the running set is unchanged: a join, finish, abort or preemption drops it, and the next
+    step that decodes the whole running set builds a new one. Its tuple of requests is new with each
+    instance, so a runner can tell an unchanged batch by identity.
+    """
+    requests: tuple[Request, ...]
+    # (n,) int64 num_computed_tokens. Replaced each step, never changed in place: a plan's starts and its
+    # placeholder indices are earlier arrays, and must keep their values.
+    computed: np.ndarray
+    last: np.ndarray         # (n,) int64: max_len - 1, the index of a request's last allowed token
+    attend_at: np.ndarray    # (n,) int64: the count at which each needs more than +1 (attention_at)
+    token_lists: tuple[list[int], ...]  # each request's token_ids (the same list objects)
+    stops: frozenset         # every stop id of any of them (most often just eos, or none)
+    countdown: int           # min(last - computed): steps until the first of them computes its last token
+    quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
+    awaiting: bool = True    # planned, and its tokens not yet appended (update / append_placeholders)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, block_size: int) -> "SteadyDecode":
+        """From a plan that decodes the whole running set (already applied to the requests)."""
+        reqs, computed = out.requests, out.starts + 1
+        last = np.array([r.max_len for r in reqs], dtype=np.int64) - 1
+        attend_at = attention_at(computed, last, block_size)
+        return cls(reqs, computed, last, attend_at, tuple(r.token_ids for r in reqs),
+                   frozenset().union(*(r.stop_ids for r in reqs)), countdown=int((last - computed).min()),
+                   quiet=int((attend_at - computed).min()))
+
 
 
 class Scheduler:
@@ -199,7 +283,8 @@ class Scheduler:
     Each step: first the running requests (decodes, and prompts still being chunked), in arrival order,
     then waiting ones while there is token budget, sequence slots and KV blocks. When a running request
     needs a block and none is free, the most recently arrived running request is preempted: its blocks
-    go back, and it waits to be recomputed later (prefix caching usually makes that cheap).
+    go back, and it waits to be recomputed later (prefix caching usually makes that cheap). A step that
+    only decodes an unchanged running set takes the fast path of SteadyDecode instead; it plans the same.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -215,6 +300,7 @@ class Scheduler:
         self.step_id = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
         self.on_release = lambda req: None  # told when a request gives its blocks back (the runner's rows)
+        self.steady: SteadyDecode | None = None  # the running set as arrays, while it is unchanged
 
     def add(self, req: Request):
         p = req.params
@@ -229,6 +315,64 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
+        return self._steady_step() or self._general_step()
+
+    # -- the fast path: an unchanged running set decodes ----------------------------------------------
+    def _steady_step(self) -> SchedulerOutput | None:
+        """The plan the general path would make when the running set is unchanged and each request has
+        one token to compute (see SteadyDecode); None where it could differ: a waiting request could
+        join, a request's last allowed token is in flight (async), or free blocks are short."""
+        s = self.steady
+        if s is None or s.awaiting or (self.waiting and len(self.running) < self.max_num_seqs):
+            return None
+        starts, entering = s.computed, (NO_ONE, NO_ONE)
+        if s.quiet <= 0:  # someone needs more than +1: the only steps that look at requests one by one
+            entering = self._attend(s, starts)
+            if entering is None:
+                return None
+            s.quiet = int((s.attend_at - starts).min())
+        s.computed, s.awaiting = starts + 1, True
+        s.countdown, s.quiet = s.countdown - 1, s.quiet - 1
+        n = len(s.requests)
+        return SchedulerOutput(s.requests, starts, [1] * n, [True] * n, num_decode=n, step=self.step_id,
+                               steady=s, entering=entering)
+
+    def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
+        """The requests due for more than +1: a block for those whose token starts one and has none,
+        and a hash for each block that fills. Returns the requests whose token starts a block and the
+        block it goes to, or None (nothing changed) when the general path must plan this step. A loop
+        over the few due requests: at small batches a dozen numpy operations would cost more."""
+        bs, reqs = self.blocks.block_size, s.requests
+        due = np.flatnonzero(starts >= s.attend_at)
+        counts, lasts, due = starts[due].tolist(), s.last[due].tolist(), due.tolist()
+        if any(c >= last for c, last in zip(counts, lasts)):
+            return None  # async: its last allowed token is in flight; the general path leaves it out
+        starting = [(i, c) for i, c in zip(due, counts) if c % bs == 0]
+        need = [reqs[i] for i, c in starting if c == len(reqs[i].block_ids) * bs]
+        if len(need) > self.blocks.num_free_blocks:
+            return None  # the general path decides whom to preempt
+        self.blocks.add_block(need)
+        attend_at = []
+        for i, c, last in zip(due, counts, lasts):
+            if (c + 1) % bs == 0:  # this step's token fills its block
+                self.blocks.publish(reqs[i], c + 1)
+            c += 1
+            attend_at.append(min(c if c % bs == 0 else c | (bs - 1), last))  # attention_at, for one
+        s.attend_at[due] = attend_at
+        return (np.array([i for i, _ in starting], dtype=np.int64),
+                np.array([reqs[i].block_ids[c // bs] for i, c in starting], dtype=np.int64))
+
+    def _drop_steady(self):
+        """Back to the general path: the requests get their counts back (see SteadyDecode)."""
+        s, self.steady = self.steady, None
+        if s is not None:
+            for req, count in zip(s.requests, s.computed.tolist()):
+                if req.status == RUNNING:
+                    req.num_computed_tokens = count
+
+    # -- the general path -------------------------------------------------------------------------------
+    def _general_step(self) -> SchedulerOutput:
+        self._drop_steady()
         self._preempted = False
         out = SchedulerOutput([], [], [], [])
         budget = self.decode_pass(out)
@@ -238,10 +382,18 @@ class Scheduler:
             if req.status == RUNNING and n > 0 and self._grow(req, n):
                 self._add_to_step(out, req, n)
                 budget -= n
-        # New requests only when nothing had to be preempted: otherwise they would take the room back.
+        self._admit(out, budget)
+        out.requests, out.starts = tuple(out.requests), np.array(out.starts, dtype=np.int64)
+        out.step = self.step_id
+        if out.requests and out.is_decode and len(out.requests) == len(self.running):
+            out.steady = self.steady = SteadyDecode.of(out, self.blocks.block_size)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int):
+        """New requests only when nothing had to be preempted: otherwise they would take the room back."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted:
             req = self.waiting[0]
-            if req.num_pending:  # preempted with a token in flight: wait for it to land
+            if req.pending:  # preempted with a token in flight: wait for it to land
                 break
             if req.num_computed_tokens == 0:
                 cached = self.blocks.cached_prefix(req)
@@ -257,11 +409,10 @@ class Scheduler:
             self.running.append(req)
             self._add_to_step(out, req, n)
             budget -= n
-        return out
 
     def decode_pass(self, out: SchedulerOutput) -> int:
-        """Every running request with exactly one token to compute: the hot loop of a decode step, kept
-        lean because at 256 requests its per-request cost is the engine's host overhead."""
+        """Every running request with exactly one token to compute, preempting when blocks run out. An
+        unchanged running set plans the same through SteadyDecode, without this per-request loop."""
         budget, bs, step = self.max_num_batched_tokens, self.blocks.block_size, self.step_id
         reqs, starts = out.requests, out.starts
         add_req, add_start = reqs.append, starts.append
@@ -271,7 +422,7 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            if req.num_pending and len(req.token_ids) >= req.max_len:
+            if len(req.token_ids) >= req.max_len and req.pending:
                 continue  # its last allowed token is still in flight: it must not compute another
             if self._preempted and req.status != RUNNING:
                 continue  # preempted earlier in this loop
@@ -318,6 +469,7 @@ class Scheduler:
         self.blocks.publish(req, start + n)
 
     def _preempt(self, req: Request):
+        self._drop_steady()
         self._preempted = True
         self.running.remove(req)
         self.blocks.release(req)
@@ -332,53 +484,92 @@ class Scheduler:
         self.waiting.insert(i, req)
 
     # -- after a step ---------------------------------------------------------------------------------
-    def sampling_requests(self, out: SchedulerOutput) -> list[Request]:
-        return out.requests if out.is_decode else [r for r, s in zip(out.requests, out.samples) if s]
+    # Tokens arrive as an int64 array (n,): the steady path checks stops on it in one go, and the
+    # requests get Python ints (tolist), never numpy scalars.
+    def sampling_requests(self, out: SchedulerOutput) -> tuple[Request, ...]:
+        return out.requests if out.is_decode else tuple(r for r, s in zip(out.requests, out.samples) if s)
 
-    def append_placeholders(self, out: SchedulerOutput) -> list[tuple[Request, int]]:
-        """Async launch: each sampling request gets a PLACEHOLDER where its new token will go."""
-        slots = []
-        for req in self.sampling_requests(out):
-            slots.append((req, len(req.token_ids)))
+    def append_placeholders(self, out: SchedulerOutput) -> tuple:
+        """Async launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
+        slots for fill(): the requests, their placeholders' indices, and for a fast-path plan its
+        SteadyDecode and countdown."""
+        s = out.steady
+        if s is not None and s is self.steady:
+            s.awaiting = False
+            for ids in s.token_lists:
+                ids.append(PLACEHOLDER)
+            return s.requests, s.computed.tolist(), (s, s.countdown)  # at index computed: see SteadyDecode
+        reqs = self.sampling_requests(out)
+        index = [len(r.token_ids) for r in reqs]
+        for req in reqs:
             req.token_ids.append(PLACEHOLDER)
-            req.num_pending += 1
-        return slots
+        return reqs, index, None
 
-    def fill(self, slots: list[tuple[Request, int]], tokens: list[int]) -> list[Request]:
+    def fill(self, slots: tuple, tokens) -> list[Request]:
         """Put sampled tokens in place, check stops; returns the requests that finished."""
-        finished = []
-        for (req, index), token in zip(slots, tokens):
+        reqs, index, steady = slots
+        tokens = np.asarray(tokens).tolist()
+        if steady is not None and steady[0] is self.steady:  # no one left the running set since the launch
+            s, countdown = steady
+            for ids, i, token in zip(s.token_lists, index, tokens):
+                ids[i] = token
+            if countdown > 0 and s.stops.isdisjoint(tokens):
+                return []  # no one's last token, no one's stop id: no one to look at
+            return self._finished([(req, i, token) for req, i, token in zip(reqs, index, tokens)
+                                   if token in req.stop_ids or i + 1 >= req.max_len])
+        ended = []
+        for req, i, token in zip(reqs, index, tokens):
             ids = req.token_ids
-            if req.status == FINISHED or index >= len(ids):
+            if req.status == FINISHED or i >= len(ids):
                 continue  # stopped or aborted meanwhile: this token was computed for nothing, drop it
-            assert ids[index] == PLACEHOLDER, f"slot {index} of {req.request_id} already filled"
-            ids[index] = token
-            req.num_pending -= 1
-            if token in req.stop_ids or index + 1 >= req.max_len:
-                del ids[index + 1:]  # tokens already launched after the stop are dropped
-                req.num_pending = 0
-                self.finish(req, "stop" if token in req.stop_ids else "length", remove=False)
-                finished.append(req)
-        if finished:  # one pass instead of a list.remove per finished request
-            self.running = [r for r in self.running if r.status == RUNNING]
-        return finished
+            assert ids[i] == PLACEHOLDER, f"slot {i} of {req.request_id} already filled"
+            ids[i] = token
+            if token in req.stop_ids or i + 1 >= req.max_len:
+                ended.append((req, i, token))
+        return self._finished(ended)
 
-    def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Request]:
-        """Sync step: append each sampling request's token and check its stops (fill() without the
-        placeholder round trip: one loop, since this runs for every request every step)."""
-        finished = []
-        for req, token in zip(self.sampling_requests(out), tokens):
+    def update(self, out: SchedulerOutput, tokens) -> list[Request]:
+        """Sync step: append each sampling request's token and check its stops."""
+        s, tokens = out.steady, np.asarray(tokens)
+        if s is not None and s is self.steady:
+            return self._steady_update(s, tokens)
+        ended = []
+        for req, token in zip(self.sampling_requests(out), tokens.tolist()):
             ids = req.token_ids
             ids.append(token)
             if token in req.stop_ids or len(ids) >= req.max_len:
-                self.finish(req, "stop" if token in req.stop_ids else "length", remove=False)
-                finished.append(req)
-        if finished:
+                ended.append((req, len(ids) - 1, token))
+        return self._finished(ended)
+
+    def _steady_update(self, s: SteadyDecode, tokens: np.ndarray) -> list[Request]:
+        """update() for a fast-path plan: a loop that only appends. Stops are looked for request by
+        request only when some token is a stop id of some request, or someone reached its last token."""
+        s.awaiting = False
+        tokens = tokens.tolist()
+        for ids, token in zip(s.token_lists, tokens):
+            ids.append(token)
+        ended = []
+        if s.countdown <= 0 or not s.stops.isdisjoint(tokens):
+            for req, i, token in zip(s.requests, s.computed.tolist(), tokens):
+                if token in req.stop_ids or i + 1 >= req.max_len:
+                    ended.append((req, i, token))
+        return self._finished(ended)
+
+    def _finished(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
+        """Finish each request whose new token (request, index, token) ends it: a stop id, or the last
+        allowed index. Returns them."""
+        finished = []
+        for req, i, token in ended:
+            del req.token_ids[i + 1:]  # async: tokens already launched after the stop are dropped
+            self.finish(req, "stop" if token in req.stop_ids else "length", remove=False)
+            finished.append(req)
+        if finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if r.status == RUNNING]
         return finished
 
     def finish(self, req: Request, reason: str, remove: bool = True):
         if req.status == RUNNING:
+            self._drop_steady()  # the running set changes
             if remove:
                 self.running.remove(req)
         elif req.status == WAITING:

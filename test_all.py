@@ -884,6 +884,57 @@ def test_async_placeholder_input_comes_from_the_device():
     check_clean(engine)
 
 
+
+def _staged(x):
+    """A Batch or SamplingBatch as plain values, to compare what two runners staged."""
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(x).items()}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("use_async", [False, True])
+def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_async, no_placeholder_hashed):
+    """A decode step of an unchanged running set takes a fast path: the scheduler advances SteadyDecode's
+    arrays instead of visiting each request, and the runner advances DecodeRows instead of rebuilding
+    the batch. Two engines run the same workload in lock-step, one with the fast path off: every step
+    must plan the same requests, positions and blocks and stage the same batch, across block
+    boundaries, stops, joins (4 slots on odd seeds), aborts and preemption."""
+    prompts, raw, num_blocks, aborts = _random_workload(seed)
+    first = run(Engine(model="tiny"), prompts, [SamplingParams(**kw) for kw in raw])
+    for i, (kw, o) in enumerate(zip(raw, first)):
+        if i % 2 and len(o.token_ids) > 2:  # a stop token that fires mid-stream
+            kw["stop_token_ids"] = [o.token_ids[len(o.token_ids) // 2]]
+    params = [SamplingParams(**kw) for kw in raw]
+    engines = [Engine(model="tiny", num_blocks=num_blocks, max_num_seqs=4 if seed % 2 else 256) for _ in range(2)]
+    engines[1].scheduler._steady_step = lambda: None  # the general path only
+    fast_plans, logs = [], [[], []]
+    steady_step = engines[0].scheduler._steady_step
+    engines[0].scheduler._steady_step = lambda: fast_plans.append(steady_step()) or fast_plans[-1]
+    for engine, log in zip(engines, logs):
+        def logged(out, prepare=engine.runner.prepare, log=log):
+            batch, sbatch, sampling = prepare(out)
+            log.append(([r.request_id for r in out.requests], out.starts.tolist(), list(out.num_tokens),
+                        [(list(r.block_ids), len(r.block_hashes)) for r in out.requests], _staged(batch),
+                        _staged(sbatch)))
+            return batch, sbatch, sampling
+        engine.runner.prepare = logged
+    ids = [[e.add_request(p, sp) for p, sp in zip(prompts, params)] for e in engines]
+    done, steps = [{}, {}], 0
+    while any(e.has_unfinished() for e in engines):
+        for engine, d in zip(engines, done):
+            for o in (engine.step_async() if use_async else engine.step()):
+                d[o.request_id] = (o.token_ids, o.finish_reason)
+        assert logs[0] == logs[1], f"step {steps}: the fast path planned or staged something else"
+        steps += 1
+        assert steps < 500, "a request that should have stopped keeps going"
+        for i, at in aborts.items():
+            if steps == at:
+                for engine, rids in zip(engines, ids):
+                    engine.abort(rids[i])
+    assert done[0] == done[1] and any(reason == "stop" for _, reason in done[0].values())
+    assert sum(p is not None for p in fast_plans) >= steps // 4, "the fast path was hardly taken"
+    for engine in engines:
+        check_clean(engine)
+
 # ==========================================================================================================
 # The command line
 # ==========================================================================================================
