@@ -241,9 +241,10 @@ class SteadyDecode:
     requests in Python costs tens of microseconds (after a forward pass their objects are out of the CPU's
     caches). Yet most steps are the last step's plan one token later: the same requests, each computing
     the token it sampled last. So when a step decodes the whole running set, its counts are copied into
-    arrays here, and while that set stays the same each step is planned with three numpy operations: one
-    comparison finds the few requests that need more than +1 (`attend_at`: their next token starts a
-    block, fills one, or is their last), and only those are visited one by one.
+    arrays here, and while that set stays the same a step is planned with one numpy operation (the
+    counts + 1). A request needs more than +1 only when its next token starts a block, fills one, or is
+    its last (`attend_at`); `quiet` counts the steps until the first such one, and only on that step are
+    the due requests visited one by one.
 
     While it stands, `computed` is the truth about its requests' counts: they get theirs back
     (num_computed_tokens) when it is dropped (Scheduler._drop_steady), and only the general path reads
@@ -274,7 +275,6 @@ class SteadyDecode:
         return cls(reqs, computed, last, attend_at, tuple(r.token_ids for r in reqs),
                    frozenset().union(*(r.stop_ids for r in reqs)), countdown=int((last - computed).min()),
                    quiet=int((attend_at - computed).min()))
-
 
 
 class Scheduler:
