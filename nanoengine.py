@@ -624,7 +624,7 @@ class DecodeRows:
 
     From one such step to the next every request moves on by one token: its position, its KV slot and
     its sequence length are all +1, and its sampling settings do not change. So the arrays here are
-    advanced in place, and only rows whose new token starts a block are looked up in the block table.
+    advanced in place, and a row whose new token starts a block takes that block from the scheduler.
     The settings, query_start_loc and logits_indices are staged once, when the set forms."""
     steady: object                 # the scheduler's SteadyDecode these rows follow
     step: int                      # the scheduler step the arrays hold
@@ -687,15 +687,12 @@ class ModelRunner:
         if None in rows:
             rows = [self._new_row(r) if i is None else i for r, i in zip(reqs, rows)]
         rows = np.array(rows, dtype=np.int64)
-        self._sync_blocks(rows, reqs)
-        return rows
-
-    def _sync_blocks(self, rows: np.ndarray, reqs):
         nblocks = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
         for i in np.flatnonzero(nblocks != self.row_nblocks[rows]).tolist():
             row, blocks, n0 = rows[i], reqs[i].block_ids, self.row_nblocks[rows[i]]
             self.table[row, n0:len(blocks)] = blocks[n0:]
             self.row_nblocks[row] = len(blocks)
+        return rows
 
     def _new_row(self, req: Request) -> int:
         if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
