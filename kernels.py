@@ -826,11 +826,13 @@ def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int,
     """(BLOCK_N, BLOCK_K, num_warps) for a decode MoE kernel whose grid is rows x cdiv(n_out, BLOCK_N) and
     which streams `tiles` [BLOCK_N, BLOCK_K] weight tiles per K step (2 for gate_up, 1 for down).
 
-    linear()'s M = 1 rules: the widest BLOCK_N up to 16 that still leaves MIN_PROGRAMS programs (two per
-    SM), and LINEAR_TILE_BYTES of weights per program per step, narrower when K is short. Qwen3-30B-A3B in
-    bf16 at 1 token: gate_up 8 assignments x 48 tiles of 16 rows, BLOCK_K 256 (two 8 KB tiles); down 256
-    tiles of 8 rows, BLOCK_K 1024 (one 12 KB tile, I = 768 of 1024 lanes). A separate function so a sweep
-    can pass other triples to fused_moe_decode."""
+    gate_up on 16-bit weights takes MOE_DECODE_GATE_UP_BLOCKS, an H200 sweep's best. Otherwise linear()'s
+    M = 1 rules: the widest BLOCK_N up to 16 that still leaves MIN_PROGRAMS programs (two per SM), and
+    LINEAR_TILE_BYTES of weights per program per step, narrower when K is short; Qwen3-30B-A3B's down in
+    bf16 at 1 token gets 256 tiles of 8 rows, BLOCK_K 1024 (one 12 KB tile, I = 768 of 1024 lanes). A
+    separate function so a sweep can pass other triples to fused_moe_decode."""
+    if tiles == 2 and element_size == 2:
+        return MOE_DECODE_GATE_UP_BLOCKS
     block_n = 16
     while block_n > 1 and rows * triton.cdiv(n_out, block_n) < MIN_PROGRAMS:
         block_n //= 2
@@ -868,9 +870,7 @@ def fused_moe_decode(
     if num_assignments == 0:
         return torch.zeros_like(x)
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)  # every element written by the down kernel
-    if gate_up_blocks is None:
-        gate_up_blocks = (MOE_DECODE_GATE_UP_BLOCKS if gate_up.element_size() == 2 else
-                          moe_decode_blocks(num_assignments, inter, d, gate_up.element_size(), 2))
+    gate_up_blocks = gate_up_blocks or moe_decode_blocks(num_assignments, inter, d, gate_up.element_size(), 2)
     down_blocks = down_blocks or moe_decode_blocks(n, d, inter, down.element_size(), 1)
     _check_decode_blocks("gate_up_blocks", gate_up_blocks)
     _check_decode_blocks("down_blocks", down_blocks)
@@ -1571,15 +1571,14 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
     # of one row): 3-7% faster than the other shape there (Llama-3.2-1B lm_head 121.5 vs 124.8 us, Llama-3-8B
     # gate_up 54.6 vs 57.9). Otherwise (Qwen3-0.6B's K = 1024 and 3072) the widest BLOCK_N up to 16 that
     # still leaves MIN_PROGRAMS programs, at 8 warps, which was 5-20% faster there.
-    if k % LINEAR_LONG_K == 0:
-        block_n, block_k, num_warps = max(1, LINEAR_TILE_BYTES // (LINEAR_LONG_K * element_size)), LINEAR_LONG_K, 4
-    else:
-        block_n, num_warps = 16, 8
+    long_rows = k % LINEAR_LONG_K == 0
+    block_n = max(1, LINEAR_TILE_BYTES // (LINEAR_LONG_K * element_size)) if long_rows else 16
     while block_n > 1 and triton.cdiv(n, block_n) < MIN_PROGRAMS:
         block_n //= 2
-    if k % LINEAR_LONG_K:
-        block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
-    return 1, block_n, block_k, use_dot, num_warps
+    if long_rows:
+        return 1, block_n, LINEAR_LONG_K, use_dot, 4
+    block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
+    return 1, block_n, block_k, use_dot, 8
 
 
 def _check_linear_args(x, weight, bias) -> None:

@@ -426,14 +426,14 @@ def _bench_moe_paths(out_lines, n: int, weights) -> None:
     for both: the decode path re-reads an expert for every token routed to it (from L2 if it is lucky), so
     its pct_of_bw falls as tokens share experts, and the threshold belongs where us passes ref_us."""
     args, _, touched, floor_bytes = _moe_case(n, weights)
-    x, gate_up = args[:2]
+    x, gate_up, _, _, topk_ids = args
     decode, sorted_path = (lambda: kernels.fused_moe(*args, decode_max_tokens=n),
                            lambda: kernels.fused_moe(*args, decode_max_tokens=0))
     torch.testing.assert_close(decode(), sorted_path(), atol=3e-2, rtol=3e-2)  # bf16, as the GPU tests
-    inter = gate_up.shape[1] // 2
+    inter, num_assignments = gate_up.shape[1] // 2, topk_ids.numel()
     _report(out_lines, "fused_moe_decode", dict(tokens=n, experts_touched=touched), decode, sorted_path,
             floor_bytes, ref="fused_moe sorted path",
-            gate_up_blocks=kernels.MOE_DECODE_GATE_UP_BLOCKS,  # bf16's
+            gate_up_blocks=kernels.moe_decode_blocks(num_assignments, inter, x.shape[1], BYTES, 2),
             down_blocks=kernels.moe_decode_blocks(n, x.shape[1], inter, BYTES, 1))
 
 

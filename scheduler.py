@@ -150,25 +150,21 @@ class BlockManager:
         total = -(-(req.num_computed_tokens + num_tokens) // self.block_size)
         return max(0, total - len(req.block_ids))
 
-    def add_block(self, reqs: list[Request]):
-        """One more block for each of reqs (decodes whose next token starts a block); the caller has
-        checked that there are enough free blocks."""
-        assert len(reqs) <= self.num_free_blocks, f"{len(reqs)} blocks asked, {self.num_free_blocks} free"
-        for req in reqs:
-            block = self._take()
-            self.ref_count[block] = 1
-            req.block_ids.append(block)
-
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Give req room for num_tokens more tokens; False (and nothing taken) if there is not enough."""
         need = self.blocks_needed(req, num_tokens)
         if need > self.num_free_blocks:
             return False
-        for _ in range(need):
+        self.give(req, need)
+        return True
+
+    def give(self, req: Request, n: int):
+        """n more blocks for req; the caller has checked that there are enough free."""
+        assert n <= self.num_free_blocks, f"{n} blocks asked, {self.num_free_blocks} free"
+        for _ in range(n):
             block = self._take()
             self.ref_count[block] = 1
             req.block_ids.append(block)
-        return True
 
     def publish(self, req: Request, num_tokens: int):
         """Hash the blocks that the first num_tokens tokens fill. Hashing stops at the first PLACEHOLDER,
@@ -224,13 +220,13 @@ class SchedulerOutput:
         return len(self.requests) if self.is_decode else sum(self.samples)
 
 
-def attention_at(count: np.ndarray, last: np.ndarray, block_size: int) -> np.ndarray:
-    """For decodes at counts `count`: the first count >= count at which a request needs more than +1 in
-    a step: its next token starts a block (a multiple of block_size: it may need a block), fills one (one
-    below: publish it), or is its last allowed (async: it must not compute another while that one is in
-    flight)."""
+def attention_at(count: int, last: int, block_size: int) -> int:
+    """For a decode at count `count`: the first count >= count at which the request needs more than +1
+    in a step: its next token starts a block (a multiple of block_size: it may need a block), fills one
+    (one below: publish it), or is its last allowed (async: it must not compute another while that one
+    is in flight)."""
     fills = count | (block_size - 1)  # the index of the last token of count's block (a power of two)
-    return np.minimum(np.where(count % block_size == 0, count, fills), last)
+    return min(count if count % block_size == 0 else fills, last)
 
 
 @dataclass(eq=False)
@@ -270,8 +266,9 @@ class SteadyDecode:
     def of(cls, out: SchedulerOutput, block_size: int) -> "SteadyDecode":
         """From a plan that decodes the whole running set (already applied to the requests)."""
         reqs, computed = out.requests, out.starts + 1
-        last = np.array([r.max_len for r in reqs], dtype=np.int64) - 1
-        attend_at = attention_at(computed, last, block_size)
+        last = [r.max_len - 1 for r in reqs]
+        attend_at = [attention_at(c, e, block_size) for c, e in zip(computed.tolist(), last)]
+        last, attend_at = np.array(last, dtype=np.int64), np.array(attend_at, dtype=np.int64)
         return cls(reqs, computed, last, attend_at, tuple(r.token_ids for r in reqs),
                    frozenset().union(*(r.stop_ids for r in reqs)), countdown=int((last - computed).min()),
                    quiet=int((attend_at - computed).min()))
@@ -351,13 +348,13 @@ class Scheduler:
         need = [reqs[i] for i, c in starting if c == len(reqs[i].block_ids) * bs]
         if len(need) > self.blocks.num_free_blocks:
             return None  # the general path decides whom to preempt
-        self.blocks.add_block(need)
+        for req in need:
+            self.blocks.give(req, 1)
         attend_at = []
         for i, c, last in zip(due, counts, lasts):
             if (c + 1) % bs == 0:  # this step's token fills its block
                 self.blocks.publish(reqs[i], c + 1)
-            c += 1
-            attend_at.append(min(c if c % bs == 0 else c | (bs - 1), last))  # attention_at, for one
+            attend_at.append(attention_at(c + 1, last, bs))
         s.attend_at[due] = attend_at
         return (np.array([i for i, _ in starting], dtype=np.int64),
                 np.array([reqs[i].block_ids[c // bs] for i, c in starting], dtype=np.int64))
