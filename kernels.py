@@ -50,6 +50,15 @@ ATTN_PREFILL_BLOCK_M = 64
 # program uses ~40 KB of shared memory, so several run on an SM at once. 4 measured best on an H200
 # (batch 1-16, contexts 1K-8K) against 2 and 8 ...
 ATTN_PROGRAMS_PER_SM = 4
+# Decode attention whose batch fills the GPU without splitting: warps and pipeline stages per program.
+# At short contexts a decode program is a short chain of dependent loads; 2 warps with 3 stages let more
+# programs share an SM, and beat 4 warps with 2 stages at 48-token contexts: 22.3 against 24.0 us per
+# layer at batch 256 (Qwen3-0.6B shapes, H200). With splits (small batches) 4 warps and 2 stages stay:
+# 3.9 against 4.3 us at batch 1, and 35 against 42 at batch 1 x 8K.
+ATTN_DECODE_WARPS = 2
+ATTN_DECODE_STAGES = 3
+# The last split to finish merges the others' partials this many at a time (a [4, 16, 128] float32 tile).
+ATTN_MERGE_SPLITS = 4
 # ... with at least ATTN_MIN_SPLIT_TOKENS keys per split (below), and never more splits than this (each
 # keeps a float32 partial of its rows, and the last to finish merges them one by one).
 ATTN_MAX_SPLITS = 64
@@ -324,7 +333,7 @@ def _hash32(x):
 
 @triton.jit
 def _race_kernel(
-    logits_ptr,  # [S, V] float32, rows contiguous
+    logits_ptr,  # [S, V] float32 or 16-bit, rows contiguous: read as float32
     temperature_ptr,  # [S] float32; 0 = greedy
     seeds_ptr,  # [S] int64
     counters_ptr,  # [S] int64: index of the token being sampled
@@ -356,7 +365,7 @@ def _race_kernel(
     for start in tl.static_range(0, CHUNK, BLOCK_V):
         v = chunk * CHUNK + start + tl.arange(0, BLOCK_V)
         mask = v < vocab
-        score = tl.load(logits_ptr + row * stride_s + v, mask=mask, other=float("-inf"))
+        score = tl.load(logits_ptr + row * stride_s + v, mask=mask, other=float("-inf")).to(tl.float32)
         if not GREEDY:
             u = ((_hash32(key ^ v.to(tl.uint32)) >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)  # (0, 1)
             score = tl.where(temp == 0, score, score * inv_t - tl.log(-tl.log(u)))
@@ -381,8 +390,8 @@ def _race_kernel(
 
 
 def _check_race_args(logits, temperature, seeds, counters) -> None:
-    if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
-        raise ValueError(f"logits must be contiguous float32 [S, V], got {logits.dtype} {tuple(logits.shape)}")
+    if logits.dim() != 2 or not logits.is_floating_point() or not logits.is_contiguous():
+        raise ValueError(f"logits must be a contiguous float [S, V], got {logits.dtype} {tuple(logits.shape)}")
     s = logits.shape[0]
     for name, t in (("temperature", temperature), ("seeds", seeds), ("counters", counters)):
         if t.shape != (s,):
@@ -391,7 +400,7 @@ def _check_race_args(logits, temperature, seeds, counters) -> None:
 
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                 counters: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-    """Logits [S, V] float32 -> tokens [S] int64: argmax where temperature is 0, else a draw from
+    """Logits [S, V] (float32, or 16-bit, read as float32) -> tokens [S] int64: argmax where temperature is 0, else a draw from
     softmax(logits / temperature) whose noise depends only on (seed, counter, token id). Logits set to
     -inf (top-k / top-p filtering) are never drawn. One kernel over (row, vocabulary chunk); the last chunk
     of a row to finish picks the row's token. greedy=True (every temperature 0, known on the host) skips
@@ -434,6 +443,7 @@ def race_noise_ref(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> t
 def race_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                     counters: torch.Tensor, greedy: bool = False) -> torch.Tensor:
     _check_race_args(logits, temperature, seeds, counters)
+    logits = logits.float()  # exact for 16-bit logits: what the kernel does in registers
     if greedy:
         return logits.argmax(dim=1)
     u = race_noise_ref(seeds, counters, logits.shape[1])  # [S, V]: what makes this path memory-heavy
@@ -1179,9 +1189,27 @@ def rope_write_kv_ref(
 
 
 @triton.jit
+def _rope_tile(x, x_swap, norm_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """[R, HEAD_DIM] float32: heads x, optionally RMSNormed, then rotated: x * cos + rotate_half(x) * sin,
+    with sin's first half negated by the caller. rotate_half pairs dim d with d + HEAD_DIM/2, so the
+    caller loads each head twice: straight (x) and with its halves swapped (x_swap)."""
+    dims = tl.arange(0, HEAD_DIM)
+    partner = (dims + HEAD_DIM // 2) % HEAD_DIM
+    x, x_swap = x.to(tl.float32), x_swap.to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        x = x * inv_rms * tl.load(norm_ptr + dims).to(tl.float32)[None, :]
+        x_swap = x_swap * inv_rms * tl.load(norm_ptr + partner).to(tl.float32)[None, :]
+    return x * cos[None, :] + x_swap * sin[None, :]
+
+
+@triton.jit
 def _attend_tiles(
     q,  # [BLOCK_M, HEAD_DIM] query rows (tokens x heads of one kv group)
     q_pos,  # [BLOCK_M] position of each row's token; a key j is visible iff j <= q_pos
+    m,  # [BLOCK_M] running max, sum and unnormalised output to go on from
+    l,
+    acc,
     k_cache_ptr,
     v_cache_ptr,
     block_table_row_ptr,  # this request's row of the block table
@@ -1200,9 +1228,6 @@ def _attend_tiles(
 ):
     """Online softmax over key tiles; returns the running (max, sum, unnormalised output)."""
     dims = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
@@ -1236,8 +1261,21 @@ def _paged_attention_kernel(
     part_ml_ptr,  # [NUM_SPLITS, T, H, 2] float32 running max and sum (same)
     tickets_ptr,  # [>= B * Hkv] int32 zeros: per (request, kv head), splits done so far (same)
     num_tokens,  # T
+    k_new_ptr,  # [T, Hkv, D] strided view: this step's keys (ROPE only: rotated and written to the cache)
+    v_new_ptr,  # [T, Hkv, D] strided view: this step's values (ROPE only: written to the cache)
+    slot_mapping_ptr,  # [T] their cache slots; -1 = padding row (ROPE only)
+    scratch_slot,  # first slot of the last (never handed out) block
+    cos_sin_ptr,  # [max_pos, D] float32: cos in the first half, sin in the second (ROPE only)
+    q_norm_ptr,  # [D] per-head RMSNorm weights (ROPE with HAS_NORM only)
+    k_norm_ptr,
+    eps,
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
     stride_cache_block,
     stride_cache_tok,
     stride_cache_head,
@@ -1254,6 +1292,9 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,  # splits launched per query tile (a host-side upper bound)
     MIN_SPLIT_TILES: tl.constexpr,  # key tiles a split covers at least
     DOT_PRECISION: tl.constexpr,
+    DECODE: tl.constexpr,  # every request has one query token, so token b is request b's
+    ROPE: tl.constexpr,  # decode_attention: rotate q and the new k here, and write the new k and v
+    HAS_NORM: tl.constexpr,  # ... after Qwen3's per-head RMSNorm
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -1261,14 +1302,68 @@ def _paged_attention_kernel(
     # them first keeps them from running alone at the end of a prefill.
     q_tile = tl.num_programs(2) // NUM_SPLITS - 1 - tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    # The grid is sized for the longest query; tiles past this request's tokens have nothing to do.
-    if q_tile * BLOCK_Q >= q_len:
-        return
+    # At short contexts a program mostly waits on its chain of dependent loads, not on the KV bytes, and
+    # a GPU issues a warp's instructions in order: the first use of a loaded value stalls every load
+    # behind it. So the lengths are loaded together (a decode batch skips query_start_loc altogether),
+    # and the query is loaded before anything waits on seq_len: lengths and query, then the block
+    # table, then K and V.
     seq_len = tl.load(seq_lens_ptr + req)
+    if DECODE:
+        q_start = req
+        q_len = 1
+    else:
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        # The grid is sized for the longest query; tiles past this request's tokens have nothing to do.
+        if q_tile * BLOCK_Q >= q_len:
+            return
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the request
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
+    m = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if ROPE:
+        # Decode: the new token sits at the end of its context, at position seq_len - 1. Its query heads
+        # are rotated here, in registers, and its key and value are used from registers too: the cache
+        # walk below stops before it, so no program waits for it to reach memory. Split 0 of each
+        # (request, kv head) writes them to the cache for later steps, and starts from that key. Every
+        # load that does not need seq_len goes first (see above); only cos and sin wait for it.
+        swap = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner of each dim
+        q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
+        q_swap = tl.load(q_rows + swap[None, :], mask=row_ok[:, None], other=0.0)
+        k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh
+        k = tl.load(k_row + dims)[None, :]  # [1, HEAD_DIM]
+        k_swap = tl.load(k_row + swap)[None, :]
+        v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + dims)[None, :]
+        slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+        pos = tl.maximum(seq_len - 1, 0).to(tl.int64)  # padding rows (seq_len 0) read row 0
+        half = dims % (HEAD_DIM // 2)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + half)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM // 2 + half)
+        sin = tl.where(dims < HEAD_DIM // 2, -sin, sin)  # rotate_half(x) = [-x2, x1]
+        q = _rope_tile(q, q_swap, q_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(q_ptr.dtype.element_ty)
+        if split == 0:
+            k = _rope_tile(k, k_swap, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(k_cache_ptr.dtype.element_ty)
+            slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows write to the scratch block
+            slot_ptr = slot * stride_cache_tok + kv_head * stride_cache_head + dims[None, :]
+            tl.store(k_cache_ptr + slot_ptr, k)
+            tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty))
+            if seq_len > 0:  # the new key: p = 1 against a running max of its own score
+                m = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
+                l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32) + v.to(tl.float32)
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
     # New tokens sit at the end of the context; padding requests (seq_len 0) get kv_end 0 and read no KV.
-    kv_end = tl.maximum(seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q), 0)
+    kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    if ROPE:
+        kv_end -= 1  # the new key is already counted, from registers
+    kv_end = tl.maximum(kv_end, 0)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     # The split count is fixed at launch for the longest context the block table allows; this tile uses
     # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
@@ -1282,18 +1377,9 @@ def _paged_attention_kernel(
             return
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the request
-    head = kv_head * GROUP + rows % GROUP_PAD
-    row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
-    token = (q_start + q_idx).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
     q_pos = seq_len - q_len + q_idx
     m, l, acc = _attend_tiles(
-        q, q_pos, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
+        q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
         kv_head * stride_cache_head, stride_cache_block, stride_cache_tok, kv_end, tile_lo, tile_hi,
         qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
@@ -1310,7 +1396,7 @@ def _paged_attention_kernel(
             if not _last_to_finish(ticket_ptr, splits_used):
                 return
             m, l, acc = _merge_splits(m, l, acc, split, splits_used, row, row_ok, num_tokens * NUM_HEADS,
-                                      part_out_ptr, part_ml_ptr, HEAD_DIM)
+                                      part_out_ptr, part_ml_ptr, HEAD_DIM, ATTN_MERGE_SPLITS)
     # A context that fits one split (all of them when NUM_SPLITS == 1) is final here, with no partials.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
     tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
@@ -1319,23 +1405,28 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits(m, l, acc, split, splits_used, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr,
-                  HEAD_DIM: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, MERGE_SPLITS: tl.constexpr):
     """Log-sum-exp merge of this split's (m, l, acc), still in registers, with the other splits' partials:
     rescale each by 2^(m_split - m_max). A split that saw no key of a row (m = NEG_BIG, l = 0) adds
-    nothing. Loads go to L2 (.cg): the partials were written by programs on other SMs."""
+    nothing, and neither does one masked off here (past splits_used, or this program's own). Loads go to
+    L2 (.cg): the partials were written by programs on other SMs. MERGE_SPLITS partials per step, loaded
+    together: each step costs a round trip to L2, and one partial a step took ~30 us to merge the 64 splits
+    of an 8K context at batch 1."""
     dims = tl.arange(0, HEAD_DIM)
-    for other in range(0, splits_used):
-        if other != split:
-            part_row = other * rows_per_split + row
-            m_o = tl.load(part_ml_ptr + part_row * 2, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
-            l_o = tl.load(part_ml_ptr + part_row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-            acc_o = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
-                            other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, m_o)
-            alpha, beta = tl.exp2(m - m_new), tl.exp2(m_o - m_new)
-            acc = acc * alpha[:, None] + acc_o * beta[:, None]
-            l = l * alpha + l_o * beta
-            m = m_new
+    chunk = tl.arange(0, MERGE_SPLITS)
+    for first in range(0, splits_used, MERGE_SPLITS):
+        others = first + chunk  # [C]
+        ok = ((others < splits_used) & (others != split))[:, None] & row_ok[None, :]  # [C, BLOCK_M]
+        part_row = others[:, None] * rows_per_split + row[None, :]
+        m_o = tl.load(part_ml_ptr + part_row * 2, mask=ok, other=NEG_BIG, cache_modifier=".cg")
+        l_o = tl.load(part_ml_ptr + part_row * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        acc_o = tl.load(part_out_ptr + part_row[:, :, None] * HEAD_DIM + dims[None, None, :], mask=ok[:, :, None],
+                        other=0.0, cache_modifier=".cg")  # [C, BLOCK_M, HEAD_DIM]
+        m_new = tl.maximum(m, tl.max(m_o, axis=0))
+        alpha, beta = tl.exp2(m - m_new), tl.exp2(m_o - m_new[None, :])
+        acc = acc * alpha[:, None] + tl.sum(acc_o * beta[:, :, None], axis=0)
+        l = l * alpha + tl.sum(l_o * beta, axis=0)
+        m = m_new
     return m, l, acc
 
 
@@ -1378,6 +1469,11 @@ def _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_
         raise ValueError(f"head_dim ({d}) must be a power of two >= {MIN_DOT} and the page size "
                          f"({page_size}) a power of two")
     b = seq_lens.shape[0]
+    if query_start_loc is None:  # decode_attention: token b is request b's
+        query_start_loc = torch.empty(b + 1, device="meta")
+        if q.shape[0] != b:
+            raise ValueError(f"decode_attention takes one token per request: q has {q.shape[0]} tokens, "
+                             f"seq_lens {b} requests")
     if query_start_loc.shape != (b + 1,) or block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"expected query_start_loc [{b + 1}] and block_table [{b}, max_blocks], got "
                          f"{tuple(query_start_loc.shape)} and {tuple(block_table.shape)}")
@@ -1411,6 +1507,44 @@ def paged_attention(
     an upper bound: each query tile uses only the splits its keys fill at ATTN_MIN_SPLIT_TOKENS each,
     and a tile that fits one split writes its output directly, with no partials to merge."""
     _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, max_query_len)
+    return _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, max_query_len,
+                      num_splits, rope=None)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    scale: float,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """rope_write_kv, then paged_attention, for a decode batch (one new token per request, token b is
+    request b's, at position seq_lens[b] - 1), in one launch: one kernel less per layer (~2.7 us with
+    its gap on an H200, where a decode layer's non-matmul kernels take 1.5-6 us each). q, k, v [B, H or
+    Hkv, D] are left as they were; k (rotated) and v go to their slots of the caches. Returns out [B, H, D]."""
+    _check_attention_args(q, k_cache, v_cache, None, seq_lens, block_table, 1)
+    _check_rope_args(q, k, seq_lens, cos_sin_cache, q_norm_weight, k_norm_weight)
+    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    has_norm = q_norm_weight is not None
+    rope = (k, v, slot_mapping, (k_cache.shape[0] - 1) * k_cache.shape[1], cos_sin_cache,
+            q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache, eps,
+            has_norm)
+    # seq_lens stands in for query_start_loc, which a decode launch never reads
+    return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope)
+
+
+def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, num_splits,
+               rope) -> torch.Tensor:
     t, h, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     b = seq_lens.shape[0]
@@ -1429,24 +1563,34 @@ def paged_attention(
         num_splits = _attention_num_splits(b * hkv, max_splits, q.device)
     if b * hkv * q_tiles > MAX_TICKETS:  # a grid this big fills the GPU without splitting
         num_splits = 1
+    # A decode batch big enough not to split: ATTN_DECODE_WARPS / _STAGES. Others with one query tile
+    # (decode with splits, short chunks): 4 warps and 2 stages, not 3. Each stage holds a K and a V tile
+    # in shared memory, so fewer stages let more programs share an SM, and at short contexts (a tile or
+    # two per program) that hides more latency than a deeper pipeline: 6.4 vs 7.0 us per layer at batch
+    # 16 and 36 vs 39 at 256 (80-token contexts), and no slower at 1K-2K contexts (H200 sweep, bf16).
+    decode = max_query_len == 1 and t == b
+    if decode and num_splits == 1:
+        warps, stages = ATTN_DECODE_WARPS, ATTN_DECODE_STAGES
+    else:
+        warps, stages = (8 if block_m >= 128 else 4), (2 if q_tiles == 1 else 3)
     if num_splits > 1:
         part_out = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, t, h, 2), dtype=torch.float32, device=q.device)
         tickets = _tickets(q.device)
     else:
         part_out = part_ml = tickets = out  # unused
+    # decode_attention's new keys and RoPE inputs; without them, stand-ins the kernel never reads
+    k, v, slot_mapping, scratch_slot, cos_sin, q_norm, k_norm, eps, has_norm = \
+        rope or (q, q, seq_lens, 0, q, q, q, 0.0, False)
     _paged_attention_kernel[(b, hkv, q_tiles * num_splits)](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, tickets, t,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), scale * LOG2E,
+        k, v, slot_mapping, scratch_slot, cos_sin, q_norm, k_norm, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        MIN_SPLIT_TILES=min_split_tiles, DOT_PRECISION=_dot_precision(q.dtype),
-        # Decode (one query tile): 2 stages, not 3. Each stage holds a K and a V tile in shared memory, so
-        # fewer stages let more programs share an SM, and at short contexts (a tile or two per program)
-        # that hides more latency than a deeper pipeline: 6.4 vs 7.0 us per layer at batch 16 and 36 vs
-        # 39 at 256 (80-token contexts), and no slower at 1K-2K contexts (H200 sweep, bf16).
-        num_warps=8 if block_m >= 128 else 4, num_stages=2 if q_tiles == 1 else 3,
+        MIN_SPLIT_TILES=min_split_tiles, DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
+        ROPE=rope is not None, HAS_NORM=has_norm, num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -1493,6 +1637,17 @@ def paged_attention_ref(
     return out[req, q_idx].to(q.dtype)  # [T, H, D]
 
 
+def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, seq_lens, block_table, cos_sin_cache, scale,
+                         q_norm_weight=None, k_norm_weight=None, eps=1e-6, *, num_splits=None) -> torch.Tensor:
+    """rope_write_kv_ref on a copy of q, then paged_attention_ref: what decode_attention does in one pass."""
+    q = q.clone()
+    positions = (seq_lens.long() - 1).clamp(min=0)
+    rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
+                      k_norm_weight, eps)
+    qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_table, scale, 1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Linear at decode batch sizes: out = x @ weight.T (+ bias), streaming each weight row once
 # ---------------------------------------------------------------------------------------------------
@@ -1509,6 +1664,7 @@ def _linear_kernel(
     in_features,  # K
     stride_xm,
     HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # x is [M, 2K] = [gate | up] and the input is silu(gate) * up
     BLOCK_M: tl.constexpr,  # 1 on the FMA path, MIN_DOT on the tl.dot path
     BLOCK_N: tl.constexpr,  # output features, i.e. weight rows, per program
     BLOCK_K: tl.constexpr,
@@ -1538,10 +1694,11 @@ def _linear_kernel(
         # [BLOCK_N, BLOCK_K], K contiguous: 16-byte loads
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
-            xt = tl.load(x_rows[None, :] + ks[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
+            xt = _linear_input(x_rows[None, :] + ks[:, None], row_ok[None, :] & k_ok[:, None], in_features,
+                               SILU_MUL)  # [BLOCK_K, BLOCK_M]
             acc += tl.dot(w, xt, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         else:
-            x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)  # [BLOCK_K], the only row
+            x = _linear_input(x_ptr + ks, k_ok, in_features, SILU_MUL)  # [BLOCK_K], the only row
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if USE_DOT:
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -1551,6 +1708,19 @@ def _linear_kernel(
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_offs = rows.to(tl.int64)[:, None] * out_features + cols[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _linear_input(ptrs, mask, in_features, SILU_MUL: tl.constexpr):
+    """A tile of the matmul's input. With SILU_MUL, silu(gate) * up from the [gate | up] halves of each
+    row, computed in float32 and rounded to x's dtype exactly as silu_and_mul stores it: the MLP's down
+    projection then needs no separate SiLU kernel (one launch, ~2.5 us, less per layer at decode)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU_MUL:
+        gate = x.to(tl.float32)
+        up = tl.load(ptrs + in_features, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
+    return x
 
 
 def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int, int, bool, int]:
@@ -1581,10 +1751,13 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
     return 1, block_n, block_k, use_dot, 8
 
 
-def _check_linear_args(x, weight, bias) -> None:
+def _check_linear_args(x, weight, bias, silu_mul: bool) -> None:
     _check_last_dim_contiguous("x", x)
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous [N, K={x.shape[-1]}] matrix (nn.Linear layout), got "
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
+    if silu_mul and x.shape[-1] % 2:
+        raise ValueError(f"with silu_mul, x must be [..., 2K] (gate | up), got an odd last dim {x.shape[-1]}")
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [N, K={k}] matrix (nn.Linear layout), got "
                          f"shape {tuple(weight.shape)} strides {tuple(weight.stride())}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
@@ -1594,17 +1767,21 @@ def _check_linear_args(x, weight, bias) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           max_rows: int = LINEAR_MAX_M) -> torch.Tensor:
+           max_rows: int = LINEAR_MAX_M, silu_mul: bool = False) -> torch.Tensor:
     """x [..., K] (last dim contiguous) @ weight [N, K].T + bias [N] -> [..., N] in x's dtype.
 
     For decode: with at most max_rows (<= LINEAR_MAX_M) rows the matmul is a pass over the weight, and one
     program per few weight rows streams it at close to full bandwidth (cuBLAS reaches ~30% of it on small
-    matrices). More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows."""
-    _check_linear_args(x, weight, bias)
+    matrices). More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows.
+    silu_mul=True: x is [..., 2K], the MLP's [gate | up], and the input is silu_and_mul(x), made as the
+    kernel loads it (above max_rows: silu_and_mul, then F.linear)."""
+    _check_linear_args(x, weight, bias, silu_mul)
     n, k = weight.shape
-    x2 = x.reshape(-1, k)  # [M, K], a view for the usual contiguous x
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K or 2K], a view for the usual contiguous x
     m = x2.shape[0]
     if m > min(max_rows, LINEAR_MAX_M):
+        if silu_mul:
+            x = silu_and_mul(x2).view(*x.shape[:-1], k)
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -1612,13 +1789,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     block_m, block_n, block_k, use_dot, num_warps = _linear_blocks(m, n, k, x.element_size())
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, weight if bias is None else bias, out, m, n, k, x2.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps, num_stages=3,
     )
     return out
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               silu_mul: bool = False) -> torch.Tensor:
     """F.linear in float32, cast back: one rounding at the end, as the kernel does."""
+    if silu_mul:
+        x = silu_and_mul_ref(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
     out = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)

@@ -208,7 +208,7 @@ class EngineConfig:
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
 OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "moe_route", "fused_moe", "rope_write_kv", "paged_attention",
-       "race_sample")
+       "decode_attention", "race_sample")
 
 
 def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
@@ -218,8 +218,14 @@ def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
     at one row it beat cuBLAS on every decode matrix (1.06-1.69x over a whole step), at 4-16 rows it was
     0.9-1.1x: so the engine's default is 1 (a batch of one, or the lm_head of one sampling request)."""
     ops = {name: getattr(kernels, name if triton else name + "_ref") for name in OPS}
-    ops["linear"] = partial(kernels.linear, max_rows=triton_linear_rows) if triton and triton_linear_rows \
-        else F.linear
+    if triton and triton_linear_rows:
+        ops["linear"] = partial(kernels.linear, max_rows=triton_linear_rows)
+        # The MLP's down projection of silu(gate) * up: the Triton linear makes its input as it loads it.
+        ops["silu_mul_linear"] = partial(kernels.linear, max_rows=triton_linear_rows, silu_mul=True)
+    else:
+        silu_and_mul = ops["silu_and_mul"]
+        ops["linear"] = F.linear
+        ops["silu_mul_linear"] = lambda x, weight, bias=None: F.linear(silu_and_mul(x), weight, bias)
     return SimpleNamespace(**ops)
 
 
@@ -283,11 +289,17 @@ class Attention(nn.Module):
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         qn = self.q_norm.weight if hasattr(self, "q_norm") else None
         kn = self.k_norm.weight if hasattr(self, "k_norm") else None
-        # q rotated in place; k rotated into its cache slot, v beside it ((per-head norm), rotary, store)
-        ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn,
-                          self.eps)
-        o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                batch.block_table, self.scale, batch.max_query_len)  # (T, H, D)
+        if batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
+            # Decode (one token per request, at position seq_len - 1): the attention kernel rotates q and
+            # k itself and writes k and v to the cache, one launch where prefill takes two.
+            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.seq_lens,
+                                     batch.block_table, cos_sin, self.scale, qn, kn, self.eps)
+        else:
+            # q rotated in place; k rotated into its cache slot, v beside it ((per-head norm), rotary, store)
+            ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn,
+                              self.eps)
+            o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
+                                    batch.block_table, self.scale, batch.max_query_len)  # (T, H, D)
         return linear(ops, self.o_proj, o.view(T, H * D))
 
 
@@ -305,7 +317,8 @@ class MLP(nn.Module):
 
     def forward(self, x, ops):
         if hasattr(self, "gate_up_proj"):
-            return linear(ops, self.down_proj, ops.silu_and_mul(linear(ops, self.gate_up_proj, x)))  # 2I -> I -> hidden
+            gate_up = linear(ops, self.gate_up_proj, x)  # hidden -> 2I
+            return ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)  # silu * up -> hidden
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -399,7 +412,9 @@ class Model(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(self.ops, self.lm_head, hidden).float()  # (S, vocab): sampling wants float32
+        # (S, vocab) in the model's dtype. The sampler reads it as float32 in registers: a float32 copy
+        # would be one more kernel and, at 256 rows of 151,936, 234 MB more traffic per step.
+        return linear(self.ops, self.lm_head, hidden)
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -542,7 +557,8 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref) -> torch.Tensor:
-    """(S, vocab) float32 logits -> (S,) int64 tokens, on the device, with no host sync.
+    """(S, vocab) logits (float32 or the model's 16-bit dtype) -> (S,) int64 tokens, on the device, with no
+    host sync; the arithmetic is float32 either way.
     Top-k / top-p set the dropped logits to -inf (a sort, only when some request asks for it); then `race`
     (kernels.race_sample or its reference) draws each row from softmax(logits / T) by the exponential race,
     with noise that is a hash of (seed, token index, vocabulary id): a request's tokens never depend on
@@ -551,6 +567,7 @@ def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref)
     if s.all_greedy:
         return race(logits.contiguous(), s.temperature, s.seeds, s.counters, greedy=True)
     if s.need_filter:
+        logits = logits.float()
         scaled = logits / s.temperature.clamp(min=1e-5)[:, None]
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(logits.shape[-1], device=logits.device)

@@ -557,6 +557,12 @@ def test_race_sample_kernel_equals_reference():
     tokens = kernels.race_sample(logits, temperature, seeds, counters)
     assert torch.equal(tokens, kernels.race_sample_ref(logits, temperature, seeds, counters))
     assert tokens[0] == logits[0].argmax() and logits[1, tokens[1]] > float("-inf")
+    # 16-bit logits (the lm_head's output) are read as float32 in registers: the same draws as their copy
+    half = logits.to(torch.bfloat16)
+    for greedy in (False, True):
+        tokens = kernels.race_sample(half, temperature, seeds, counters, greedy=greedy)
+        assert torch.equal(tokens, kernels.race_sample(half.float(), temperature, seeds, counters, greedy=greedy))
+        assert torch.equal(tokens, kernels.race_sample_ref(half, temperature, seeds, counters, greedy=greedy))
 
 
 @pytest.mark.parametrize("vocab", [300, 3 * kernels.RACE_CHUNK + 7])
@@ -1439,6 +1445,13 @@ def test_kernel_paged_attention_decode_splits():
         _check_attention([1, 1], [300, 5], h=2, hkv=1, d=32, page=16, max_blocks=20, seed=25, num_splits=splits)
 
 
+def test_kernel_paged_attention_one_token_rows_with_an_empty_request():
+    # max_query_len 1 but a request with no token: token b is not request b's, so the decode shortcut
+    # (query b = request b, no query_start_loc) must not be taken.
+    _check_attention([1, 0, 1], [5, 7, 9], h=4, hkv=2, d=16, page=4, max_blocks=3, seed=27)
+    _check_attention([0, 1], [3, 6], h=4, hkv=2, d=16, page=4, max_blocks=2, seed=28)
+
+
 def test_kernel_paged_attention_splits_merge_in_kernel():
     # The last split to finish merges: calls in a row, each with new data (stale partials or outputs of
     # the call before would show), must each be right and leave every ticket counter back at zero.
@@ -1446,6 +1459,48 @@ def test_kernel_paged_attention_splits_merge_in_kernel():
         _check_attention([1, 1, 1], [300, 140, 90], h=4, hkv=2, d=32, page=16, max_blocks=20, seed=seed,
                          num_splits=splits)
         assert kernels._tickets(DEVICE).count_nonzero() == 0, "a merging split must reset its counter"
+
+
+def test_kernel_paged_attention_merges_many_splits(monkeypatch):
+    # One 64-key tile per split: the 700-token row uses 11 splits, so the merging split takes the others'
+    # partials in several steps of ATTN_MERGE_SPLITS (a merge that stopped after its first step shows).
+    monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", 1)
+    _check_attention([1, 1], [700, 130], h=2, hkv=1, d=32, page=16, max_blocks=44, seed=29, num_splits=16)
+    assert kernels._tickets(DEVICE).count_nonzero() == 0
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("h,hkv,num_splits", [(4, 2, None), (3, 1, 3), (4, 2, 5)])
+def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits):
+    """rope_write_kv then paged_attention in one launch: the same output and caches as the two
+    references, q, k and v untouched. The new token's cache slot holds NaN beforehand, so a kernel that
+    read it back (rather than using the key from registers) or counted it twice would show."""
+    monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", 1)  # 64-key splits: the long rows use several
+    d, page, seq_lens = 16, 4, [5, 70, 0, 130, 1]  # a padding row (0), a row whose only key is the new one
+    b = len(seq_lens)
+    q, (k_cache, v_cache, _, sl, bt) = _attention_case([1] * b, seq_lens, h, hkv, d, page, 34, seed=31)
+    kv = _randn(b, 2 * hkv * d, seed=32)
+    k, v = kv[:, : hkv * d].view(b, hkv, d), kv[:, hkv * d:].view(b, hkv, d)  # strided views, as in the model
+    slots = torch.tensor([int(bt[r, (s - 1) // page]) * page + (s - 1) % page if s else -1
+                          for r, s in enumerate(seq_lens)], device=DEVICE)
+    for r in range(b):
+        if seq_lens[r]:
+            k_cache.view(-1, hkv, d)[slots[r]] = v_cache.view(-1, hkv, d)[slots[r]] = float("nan")
+    cos_sin = _randn(160, d, seed=33)
+    norms = (_randn(d, seed=34), _randn(d, seed=35)) if with_norm else (None, None)
+    inputs = [t.clone() for t in (q, k, v)]
+    results = []
+    for fn in (kernels.decode_attention, kernels.decode_attention_ref):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = fn(q, k, v, kc, vc, slots, sl, bt, cos_sin, d**-0.5, *norms, eps=1e-6, num_splits=num_splits)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))), "q, k, v are left as they were"
+        results.append((out, kc[:-1], vc[:-1]))  # all but the scratch block
+    (out, kc, vc), (ref, kc_ref, vc_ref) = results
+    assert not out.isnan().any() and out[2].abs().max() == 0, "the padding row attends to nothing"
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0, equal_nan=True)
+    assert kernels._tickets(DEVICE).count_nonzero() == 0
 
 
 def test_kernel_paged_attention_all_padding():
@@ -1506,6 +1561,33 @@ def test_kernel_gpu_race_sample():
     seeds, counters = torch.arange(s, device=CUDA_DEVICE) * 7919, torch.arange(s, device=CUDA_DEVICE) + 11
     tokens = kernels.race_sample(logits, temperature, seeds, counters)
     assert torch.equal(tokens, kernels.race_sample_ref(logits, temperature, seeds, counters))
+    half = logits.to(BF16)
+    tokens = kernels.race_sample(half, temperature, seeds, counters)
+    assert torch.equal(tokens, kernels.race_sample(half.float(), temperature, seeds, counters))
+
+
+@needs_cuda
+@pytest.mark.parametrize("h,hkv,seq_lens", [
+    (16, 8, [48, 0, 33, 64, 1]),  # Qwen3-0.6B heads, short contexts: one split each, a padding row
+    (32, 4, [8000, 200, 2]),  # Qwen3-30B-A3B heads, a long context over many splits
+])
+def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens):
+    d, page, b = 128, 16, len(seq_lens)
+    max_blocks = -(-max(seq_lens) // page) + 1
+    q, (k_cache, v_cache, _, sl, bt) = _attention_case([1] * b, seq_lens, h, hkv, d, page, max_blocks, seed=45,
+                                                       device=CUDA_DEVICE, dtype=BF16)
+    k, v = (_randn(b, hkv, d, seed=s, device=CUDA_DEVICE, dtype=BF16) for s in (46, 47))
+    slots = torch.tensor([int(bt[r, (s - 1) // page]) * page + (s - 1) % page if s else -1
+                          for r, s in enumerate(seq_lens)], device=CUDA_DEVICE)
+    cos_sin = _randn(8192, d, seed=48, device=CUDA_DEVICE)
+    norms = (_randn(d, seed=49, device=CUDA_DEVICE, dtype=BF16), _randn(d, seed=50, device=CUDA_DEVICE, dtype=BF16))
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = kernels.decode_attention(q, k, v, kc, vc, slots, sl, bt, cos_sin, d**-0.5, *norms)
+    ref = kernels.decode_attention_ref(q, k, v, k_cache, v_cache, slots, sl, bt, cos_sin, d**-0.5, *norms)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
+    torch.testing.assert_close(kc[:-1], k_cache[:-1], **BF16_GEMM_TOL, equal_nan=True)
+    assert torch.equal(vc[:-1].nan_to_num(), v_cache[:-1].nan_to_num())
 
 
 @needs_cuda
@@ -1647,6 +1729,23 @@ def test_kernel_linear_matches_ref(monkeypatch, m, n, k, with_bias):
     torch.testing.assert_close(out, kernels.linear_ref(x, w, bias), **LINEAR_TOL)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_kernel_linear_silu_mul(monkeypatch, m):
+    # The down projection's input made as it is loaded: silu(gate) * up from x = [gate | up] must give
+    # the bits of silu_and_mul followed by the plain kernel (same rounding, same accumulation order).
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
+    x, w, bias = _randn(m, 2 * 600, seed=17), _randn(37, 600, seed=18), _randn(37, seed=19)
+    out = kernels.linear(x, w, bias, silu_mul=True)
+    assert torch.equal(out, kernels.linear(kernels.silu_and_mul(x), w, bias))
+    torch.testing.assert_close(out, kernels.linear_ref(x, w, bias, silu_mul=True), **LINEAR_TOL)
+    # above max_rows: silu_and_mul, then F.linear
+    torch.testing.assert_close(kernels.linear(x, w, bias, max_rows=0, silu_mul=True),
+                               F.linear(kernels.silu_and_mul_ref(x), w, bias), **LINEAR_TOL)
+    with pytest.raises(ValueError, match="weight must be"):
+        kernels.linear(x[:, :600], w, silu_mul=True)  # x must hold both halves
+
+
 def test_kernel_linear_default_blocks_small_n():
     # Unpatched sizes: N = 70 at M = 1 gets BLOCK_N 1 (70 programs), the path a short matrix takes.
     x, w, bias = _randn(1, 200, seed=4), _randn(70, 200, seed=5), _randn(70, seed=6)
@@ -1780,6 +1879,17 @@ def test_kernel_gpu_linear_bf16_real_shapes(name, m):
     out = kernels.linear(x, w, bias)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, F.linear(x, w, bias), **BF16_LINEAR_TOL)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16])
+def test_kernel_gpu_linear_silu_mul_bf16(m):
+    k, n = SHAPES["qwen3_0.6b_down"]
+    x = _randn(m, 2 * k, seed=47, device="cuda", dtype=torch.bfloat16)
+    w = (_randn(n, k, seed=48, device="cuda") * k**-0.5).to(torch.bfloat16)
+    out = kernels.linear(x, w, silu_mul=True)
+    assert torch.equal(out, kernels.linear(kernels.silu_and_mul(x), w)), "same bits as the two kernels"
+    torch.testing.assert_close(out, F.linear(kernels.silu_and_mul_ref(x), w), **BF16_LINEAR_TOL)
 
 
 @needs_cuda
