@@ -1291,6 +1291,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # splits launched per query tile (a host-side upper bound)
     MIN_SPLIT_TILES: tl.constexpr,  # key tiles a split covers at least
+    MERGE_SPLITS: tl.constexpr,  # partials the merging split loads at a time
     DOT_PRECISION: tl.constexpr,
     DECODE: tl.constexpr,  # every request has one query token, so token b is request b's
     ROPE: tl.constexpr,  # decode_attention: rotate q and the new k here, and write the new k and v
@@ -1396,7 +1397,7 @@ def _paged_attention_kernel(
             if not _last_to_finish(ticket_ptr, splits_used):
                 return
             m, l, acc = _merge_splits(m, l, acc, split, splits_used, row, row_ok, num_tokens * NUM_HEADS,
-                                      part_out_ptr, part_ml_ptr, HEAD_DIM, ATTN_MERGE_SPLITS)
+                                      part_out_ptr, part_ml_ptr, HEAD_DIM, MERGE_SPLITS)
     # A context that fits one split (all of them when NUM_SPLITS == 1) is final here, with no partials.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
     tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
@@ -1589,7 +1590,7 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        MIN_SPLIT_TILES=min_split_tiles, DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
+        MIN_SPLIT_TILES=min_split_tiles, MERGE_SPLITS=ATTN_MERGE_SPLITS, DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
         ROPE=rope is not None, HAS_NORM=has_norm, num_warps=warps, num_stages=stages,
     )
     return out

@@ -13,6 +13,7 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: run kernels in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import ast
 import json
 import math
 import random
@@ -1744,6 +1745,19 @@ def test_kernel_linear_silu_mul(monkeypatch, m):
                                F.linear(kernels.silu_and_mul_ref(x), w, bias), **LINEAR_TOL)
     with pytest.raises(ValueError, match="weight must be"):
         kernels.linear(x[:, :600], w, silu_mul=True)  # x must hold both halves
+
+
+def test_jit_functions_read_only_constexpr_globals():
+    """The interpreter lets a kernel read any module global; the GPU compiler refuses all but
+    tl.constexpr ones. Catch that here, where only the interpreter runs."""
+    tree = ast.parse(open(kernels.__file__).read())
+    assigns = [n for n in tree.body if isinstance(n, ast.Assign)]
+    plain = {t.id for n in assigns for t in n.targets if isinstance(t, ast.Name)} - {
+        t.id for n in assigns if "constexpr" in ast.unparse(n.value) for t in n.targets if isinstance(t, ast.Name)}
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
+            read = {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}
+            assert not read & plain, f"{fn.name} reads non-constexpr globals {read & plain}: pass them as arguments"
 
 
 def test_kernel_linear_default_blocks_small_n():
