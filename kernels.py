@@ -57,8 +57,6 @@ ATTN_PROGRAMS_PER_SM = 4
 # 3.9 against 4.3 us at batch 1, and 35 against 42 at batch 1 x 8K.
 ATTN_DECODE_WARPS = 2
 ATTN_DECODE_STAGES = 3
-# The last split to finish merges the others' partials this many at a time (a [4, 16, 128] float32 tile).
-ATTN_MERGE_SPLITS = 4
 # ... with at least ATTN_MIN_SPLIT_TOKENS keys per split (below), and never more splits than this (each
 # keeps a float32 partial of its rows, and the last to finish merges them one by one).
 ATTN_MAX_SPLITS = 64
@@ -1264,6 +1262,7 @@ def _paged_attention_kernel(
     k_new_ptr,  # [T, Hkv, D] strided view: this step's keys (ROPE only: rotated and written to the cache)
     v_new_ptr,  # [T, Hkv, D] strided view: this step's values (ROPE only: written to the cache)
     slot_mapping_ptr,  # [T] their cache slots; -1 = padding row (ROPE only)
+    positions_ptr,  # [T] their positions (ROPE only)
     scratch_slot,  # first slot of the last (never handed out) block
     cos_sin_ptr,  # [max_pos, D] float32: cos in the first half, sin in the second (ROPE only)
     q_norm_ptr,  # [D] per-head RMSNorm weights (ROPE with HAS_NORM only)
@@ -1291,7 +1290,6 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # splits launched per query tile (a host-side upper bound)
     MIN_SPLIT_TILES: tl.constexpr,  # key tiles a split covers at least
-    MERGE_SPLITS: tl.constexpr,  # partials the merging split loads at a time
     DOT_PRECISION: tl.constexpr,
     DECODE: tl.constexpr,  # every request has one query token, so token b is request b's
     ROPE: tl.constexpr,  # decode_attention: rotate q and the new k here, and write the new k and v
@@ -1329,11 +1327,11 @@ def _paged_attention_kernel(
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if ROPE:
-        # Decode: the new token sits at the end of its context, at position seq_len - 1. Its query heads
+        # Decode: the new token sits at the end of its context (position seq_len - 1). Its query heads
         # are rotated here, in registers, and its key and value are used from registers too: the cache
         # walk below stops before it, so no program waits for it to reach memory. Split 0 of each
         # (request, kv head) writes them to the cache for later steps, and starts from that key. Every
-        # load that does not need seq_len goes first (see above); only cos and sin wait for it.
+        # load that needs nothing loaded goes first (see above); only cos and sin wait, for the position.
         swap = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner of each dim
         q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
         q_swap = tl.load(q_rows + swap[None, :], mask=row_ok[:, None], other=0.0)
@@ -1342,7 +1340,7 @@ def _paged_attention_kernel(
         k_swap = tl.load(k_row + swap)[None, :]
         v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + dims)[None, :]
         slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
-        pos = tl.maximum(seq_len - 1, 0).to(tl.int64)  # padding rows (seq_len 0) read row 0
+        pos = tl.load(positions_ptr + req).to(tl.int64)
         half = dims % (HEAD_DIM // 2)
         cos = tl.load(cos_sin_ptr + pos * stride_cs + half)
         sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM // 2 + half)
@@ -1397,7 +1395,7 @@ def _paged_attention_kernel(
             if not _last_to_finish(ticket_ptr, splits_used):
                 return
             m, l, acc = _merge_splits(m, l, acc, split, splits_used, row, row_ok, num_tokens * NUM_HEADS,
-                                      part_out_ptr, part_ml_ptr, HEAD_DIM, MERGE_SPLITS)
+                                      part_out_ptr, part_ml_ptr, HEAD_DIM)
     # A context that fits one split (all of them when NUM_SPLITS == 1) is final here, with no partials.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
     tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
@@ -1406,28 +1404,26 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits(m, l, acc, split, splits_used, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr,
-                  HEAD_DIM: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+                  HEAD_DIM: tl.constexpr):
     """Log-sum-exp merge of this split's (m, l, acc), still in registers, with the other splits' partials:
     rescale each by 2^(m_split - m_max). A split that saw no key of a row (m = NEG_BIG, l = 0) adds
-    nothing, and neither does one masked off here (past splits_used, or this program's own). Loads go to
-    L2 (.cg): the partials were written by programs on other SMs. MERGE_SPLITS partials per step, loaded
-    together: each step costs a round trip to L2, and one partial a step took ~30 us to merge the 64 splits
-    of an 8K context at batch 1."""
+    nothing. Loads go to L2 (.cg): the partials were written by programs on other SMs. One partial per
+    step: loading 4 at a time as one [4, BLOCK_M, HEAD_DIM] tile measured far slower on an H200 (168
+    against 35 us at batch 1 x 8K, 43 against 25 at 16 x 1K), the big tile's registers costing every
+    program of the kernel its occupancy."""
     dims = tl.arange(0, HEAD_DIM)
-    chunk = tl.arange(0, MERGE_SPLITS)
-    for first in range(0, splits_used, MERGE_SPLITS):
-        others = first + chunk  # [C]
-        ok = ((others < splits_used) & (others != split))[:, None] & row_ok[None, :]  # [C, BLOCK_M]
-        part_row = others[:, None] * rows_per_split + row[None, :]
-        m_o = tl.load(part_ml_ptr + part_row * 2, mask=ok, other=NEG_BIG, cache_modifier=".cg")
-        l_o = tl.load(part_ml_ptr + part_row * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        acc_o = tl.load(part_out_ptr + part_row[:, :, None] * HEAD_DIM + dims[None, None, :], mask=ok[:, :, None],
-                        other=0.0, cache_modifier=".cg")  # [C, BLOCK_M, HEAD_DIM]
-        m_new = tl.maximum(m, tl.max(m_o, axis=0))
-        alpha, beta = tl.exp2(m - m_new), tl.exp2(m_o - m_new[None, :])
-        acc = acc * alpha[:, None] + tl.sum(acc_o * beta[:, :, None], axis=0)
-        l = l * alpha + tl.sum(l_o * beta, axis=0)
-        m = m_new
+    for other in range(0, splits_used):
+        if other != split:
+            part_row = other * rows_per_split + row
+            m_o = tl.load(part_ml_ptr + part_row * 2, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+            l_o = tl.load(part_ml_ptr + part_row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+            acc_o = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
+                            other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, m_o)
+            alpha, beta = tl.exp2(m - m_new), tl.exp2(m_o - m_new)
+            acc = acc * alpha[:, None] + acc_o * beta[:, None]
+            l = l * alpha + l_o * beta
+            m = m_new
     return m, l, acc
 
 
@@ -1519,6 +1515,7 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     cos_sin_cache: torch.Tensor,
@@ -1529,19 +1526,29 @@ def decode_attention(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """rope_write_kv, then paged_attention, for a decode batch (one new token per request, token b is
-    request b's, at position seq_lens[b] - 1), in one launch: one kernel less per layer (~2.7 us with
-    its gap on an H200, where a decode layer's non-matmul kernels take 1.5-6 us each). q, k, v [B, H or
-    Hkv, D] are left as they were; k (rotated) and v go to their slots of the caches. Returns out [B, H, D]."""
+    """rope_write_kv, then paged_attention, for a decode batch (one new token per request: token b is
+    request b's, at positions[b] = seq_lens[b] - 1), in one launch while the batch's programs fit one
+    wave: one kernel less per layer (~2.7 us with its gap on an H200). k (rotated) and v go to their
+    slots of the caches; k and v are left as they were, q may be rotated in place. Returns out [B, H, D].
+
+    A bigger batch takes the two launches: fused, each program waits one more round trip (cos and sin
+    need its position) before its first K/V load, once per wave of programs, and at 256 requests that
+    cost more than the launch saves (935 against 692 us of attention per Qwen3-0.6B step, H200)."""
     _check_attention_args(q, k_cache, v_cache, None, seq_lens, block_table, 1)
-    _check_rope_args(q, k, seq_lens, cos_sin_cache, q_norm_weight, k_norm_weight)
+    _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
     _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    b = seq_lens.shape[0]
+    if b * k.shape[1] > ATTN_PROGRAMS_PER_SM * _sm_count(q.device):
+        rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
+                      k_norm_weight, eps)
+        # seq_lens stands in for query_start_loc, which a decode launch never reads
+        return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope=None)
     has_norm = q_norm_weight is not None
-    rope = (k, v, slot_mapping, (k_cache.shape[0] - 1) * k_cache.shape[1], cos_sin_cache,
+    rope = (k, v, slot_mapping, positions, (k_cache.shape[0] - 1) * k_cache.shape[1], cos_sin_cache,
             q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache, eps,
             has_norm)
     # seq_lens stands in for query_start_loc, which a decode launch never reads
-    return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope)
+    return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope=rope)
 
 
 def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, num_splits,
@@ -1581,16 +1588,16 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
     else:
         part_out = part_ml = tickets = out  # unused
     # decode_attention's new keys and RoPE inputs; without them, stand-ins the kernel never reads
-    k, v, slot_mapping, scratch_slot, cos_sin, q_norm, k_norm, eps, has_norm = \
-        rope or (q, q, seq_lens, 0, q, q, q, 0.0, False)
+    k, v, slot_mapping, positions, scratch_slot, cos_sin, q_norm, k_norm, eps, has_norm = \
+        rope or (q, q, seq_lens, seq_lens, 0, q, q, q, 0.0, False)
     _paged_attention_kernel[(b, hkv, q_tiles * num_splits)](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, tickets, t,
-        k, v, slot_mapping, scratch_slot, cos_sin, q_norm, k_norm, eps,
+        k, v, slot_mapping, positions, scratch_slot, cos_sin, q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        MIN_SPLIT_TILES=min_split_tiles, MERGE_SPLITS=ATTN_MERGE_SPLITS, DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
+        MIN_SPLIT_TILES=min_split_tiles, DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
         ROPE=rope is not None, HAS_NORM=has_norm, num_warps=warps, num_stages=stages,
     )
     return out
@@ -1638,11 +1645,9 @@ def paged_attention_ref(
     return out[req, q_idx].to(q.dtype)  # [T, H, D]
 
 
-def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, seq_lens, block_table, cos_sin_cache, scale,
-                         q_norm_weight=None, k_norm_weight=None, eps=1e-6, *, num_splits=None) -> torch.Tensor:
-    """rope_write_kv_ref on a copy of q, then paged_attention_ref: what decode_attention does in one pass."""
-    q = q.clone()
-    positions = (seq_lens.long() - 1).clamp(min=0)
+def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_lens, block_table, cos_sin_cache,
+                         scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, *, num_splits=None) -> torch.Tensor:
+    """rope_write_kv_ref (q rotated in place), then paged_attention_ref: what decode_attention does."""
     rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
                       k_norm_weight, eps)
     qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=q.device)

@@ -290,10 +290,10 @@ class Attention(nn.Module):
         qn = self.q_norm.weight if hasattr(self, "q_norm") else None
         kn = self.k_norm.weight if hasattr(self, "k_norm") else None
         if batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
-            # Decode (one token per request, at position seq_len - 1): the attention kernel rotates q and
-            # k itself and writes k and v to the cache, one launch where prefill takes two.
-            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.seq_lens,
-                                     batch.block_table, cos_sin, self.scale, qn, kn, self.eps)
+            # Decode (one token per request, at position seq_len - 1): up to a batch that fills the GPU,
+            # the attention kernel rotates q and k itself and writes k and v to the cache: one launch.
+            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions,
+                                     batch.seq_lens, batch.block_table, cos_sin, self.scale, qn, kn, self.eps)
         else:
             # q rotated in place; k rotated into its cache slot, v beside it ((per-head norm), rotary, store)
             ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn,

@@ -1464,7 +1464,7 @@ def test_kernel_paged_attention_splits_merge_in_kernel():
 
 def test_kernel_paged_attention_merges_many_splits(monkeypatch):
     # One 64-key tile per split: the 700-token row uses 11 splits, so the merging split takes the others'
-    # partials in several steps of ATTN_MERGE_SPLITS (a merge that stopped after its first step shows).
+    # partials one by one (a merge that stopped early or skipped one shows).
     monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", 1)
     _check_attention([1, 1], [700, 130], h=2, hkv=1, d=32, page=16, max_blocks=44, seed=29, num_splits=16)
     assert kernels._tickets(DEVICE).count_nonzero() == 0
@@ -1472,11 +1472,20 @@ def test_kernel_paged_attention_merges_many_splits(monkeypatch):
 
 @pytest.mark.parametrize("with_norm", [False, True])
 @pytest.mark.parametrize("h,hkv,num_splits", [(4, 2, None), (3, 1, 3), (4, 2, 5)])
-def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits):
-    """rope_write_kv then paged_attention in one launch: the same output and caches as the two
-    references, q, k and v untouched. The new token's cache slot holds NaN beforehand, so a kernel that
-    read it back (rather than using the key from registers) or counted it twice would show."""
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one_launch):
+    """rope_write_kv then paged_attention, in one launch (or two, for a batch past one wave of programs):
+    the same output and caches as the two references, k and v untouched. The new token's cache slot
+    holds NaN beforehand, so a kernel that read it back (rather than using the key from registers) or
+    counted it twice would show."""
     monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", 1)  # 64-key splits: the long rows use several
+    monkeypatch.setattr(kernels, "ATTN_PROGRAMS_PER_SM", 1000 if one_launch else 0)  # the interpreter: 1 "SM"
+    launches, real_launch = [], kernels._attention
+
+    def launch(*args, rope):
+        launches.append(rope is not None)  # True: RoPE and the KV write inside the attention kernel
+        return real_launch(*args, rope=rope)
+    monkeypatch.setattr(kernels, "_attention", launch)
     d, page, seq_lens = 16, 4, [5, 70, 0, 130, 1]  # a padding row (0), a row whose only key is the new one
     b = len(seq_lens)
     q, (k_cache, v_cache, _, sl, bt) = _attention_case([1] * b, seq_lens, h, hkv, d, page, 34, seed=31)
@@ -1484,18 +1493,21 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits):
     k, v = kv[:, : hkv * d].view(b, hkv, d), kv[:, hkv * d:].view(b, hkv, d)  # strided views, as in the model
     slots = torch.tensor([int(bt[r, (s - 1) // page]) * page + (s - 1) % page if s else -1
                           for r, s in enumerate(seq_lens)], device=DEVICE)
+    positions = (sl.long() - 1).clamp(min=0)
     for r in range(b):
         if seq_lens[r]:
             k_cache.view(-1, hkv, d)[slots[r]] = v_cache.view(-1, hkv, d)[slots[r]] = float("nan")
     cos_sin = _randn(160, d, seed=33)
     norms = (_randn(d, seed=34), _randn(d, seed=35)) if with_norm else (None, None)
-    inputs = [t.clone() for t in (q, k, v)]
+    inputs = [t.clone() for t in (k, v)]
     results = []
     for fn in (kernels.decode_attention, kernels.decode_attention_ref):
         kc, vc = k_cache.clone(), v_cache.clone()
-        out = fn(q, k, v, kc, vc, slots, sl, bt, cos_sin, d**-0.5, *norms, eps=1e-6, num_splits=num_splits)
-        assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))), "q, k, v are left as they were"
+        out = fn(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms, eps=1e-6,
+                 num_splits=num_splits)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (k, v))), "k and v are left as they were"
         results.append((out, kc[:-1], vc[:-1]))  # all but the scratch block
+    assert launches == [one_launch], "one launch while the batch fits a wave of programs, else two"
     (out, kc, vc), (ref, kc_ref, vc_ref) = results
     assert not out.isnan().any() and out[2].abs().max() == 0, "the padding row attends to nothing"
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
@@ -1583,8 +1595,10 @@ def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens):
     cos_sin = _randn(8192, d, seed=48, device=CUDA_DEVICE)
     norms = (_randn(d, seed=49, device=CUDA_DEVICE, dtype=BF16), _randn(d, seed=50, device=CUDA_DEVICE, dtype=BF16))
     kc, vc = k_cache.clone(), v_cache.clone()
-    out = kernels.decode_attention(q, k, v, kc, vc, slots, sl, bt, cos_sin, d**-0.5, *norms)
-    ref = kernels.decode_attention_ref(q, k, v, k_cache, v_cache, slots, sl, bt, cos_sin, d**-0.5, *norms)
+    positions = (sl.long() - 1).clamp(min=0)
+    out = kernels.decode_attention(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms)
+    ref = kernels.decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, sl, bt, cos_sin, d**-0.5,
+                                       *norms)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
     torch.testing.assert_close(kc[:-1], k_cache[:-1], **BF16_GEMM_TOL, equal_nan=True)
