@@ -50,11 +50,13 @@ ATTN_PREFILL_BLOCK_M = 64
 # program uses ~40 KB of shared memory, so several run on an SM at once. 4 measured best on an H200
 # (batch 1-16, contexts 1K-8K) against 2 and 8 ...
 ATTN_PROGRAMS_PER_SM = 4
-# Decode attention whose batch fills the GPU without splitting: warps and pipeline stages per program.
-# At short contexts a decode program is a short chain of dependent loads; 2 warps with 3 stages let more
-# programs share an SM, and beat 4 warps with 2 stages at 48-token contexts: 22.3 against 24.0 us per
-# layer at batch 256 (Qwen3-0.6B shapes, H200). With splits (small batches) 4 warps and 2 stages stay:
-# 3.9 against 4.3 us at batch 1, and 35 against 42 at batch 1 x 8K.
+# Decode attention whose (request, kv head) programs are more than one wave of ATTN_PROGRAMS_PER_SM per
+# SM: warps and pipeline stages per program. At short contexts a decode program is a short chain of
+# dependent loads; 2 warps with 3 stages let more programs share an SM, and beat 4 warps with 2 stages
+# at 48-token contexts: 22.3 against 24.0 us per layer at batch 256 (Qwen3-0.6B shapes, H200). Within
+# one wave, 4 warps and 2 stages stay: 3.9 against 4.3 us at batch 1, 35 against 42 at batch 1 x 8K
+# (at batch 64, 512 programs, the two are level: 7.77 against 7.74 us). The choice depends on the batch alone, not on the split count (which follows the
+# block table's width), so a graph and an eager step run the same arithmetic and sample the same tokens.
 ATTN_DECODE_WARPS = 2
 ATTN_DECODE_STAGES = 3
 # ... with at least ATTN_MIN_SPLIT_TOKENS keys per split (below), and never more splits than this (each
@@ -1445,6 +1447,13 @@ def _attention_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[in
     return block_m // group_pad, block_m, block_n
 
 
+def _past_one_wave(programs: int, device: torch.device) -> bool:
+    """Whether a decode grid of this many (request, kv head) programs fills the GPU more than once over
+    at ATTN_PROGRAMS_PER_SM each: then it needs no splits, takes 2 warps and 3 stages, and RoPE runs
+    as a kernel of its own (decode_attention)."""
+    return programs > ATTN_PROGRAMS_PER_SM * _sm_count(device)
+
+
 def _attention_num_splits(programs: int, max_splits: int, device: torch.device) -> int:
     """Split the KV range only when the grid would leave SMs idle (decode at small batch, long context).
     Called only when each request's queries fit one tile: a prefill gets its programs from its query
@@ -1538,7 +1547,7 @@ def decode_attention(
     _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
     _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     b = seq_lens.shape[0]
-    if b * k.shape[1] > ATTN_PROGRAMS_PER_SM * _sm_count(q.device):
+    if _past_one_wave(b * k.shape[1], q.device):
         rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
                       k_norm_weight, eps)
         # seq_lens stands in for query_start_loc, which a decode launch never reads
@@ -1571,13 +1580,13 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         num_splits = _attention_num_splits(b * hkv, max_splits, q.device)
     if b * hkv * q_tiles > MAX_TICKETS:  # a grid this big fills the GPU without splitting
         num_splits = 1
-    # A decode batch big enough not to split: ATTN_DECODE_WARPS / _STAGES. Others with one query tile
-    # (decode with splits, short chunks): 4 warps and 2 stages, not 3. Each stage holds a K and a V tile
+    # A decode batch past one wave: ATTN_DECODE_WARPS / _STAGES. Others with one query tile (smaller
+    # decode batches, short chunks): 4 warps and 2 stages, not 3. Each stage holds a K and a V tile
     # in shared memory, so fewer stages let more programs share an SM, and at short contexts (a tile or
     # two per program) that hides more latency than a deeper pipeline: 6.4 vs 7.0 us per layer at batch
     # 16 and 36 vs 39 at 256 (80-token contexts), and no slower at 1K-2K contexts (H200 sweep, bf16).
     decode = max_query_len == 1 and t == b
-    if decode and num_splits == 1:
+    if decode and _past_one_wave(b * hkv, q.device):
         warps, stages = ATTN_DECODE_WARPS, ATTN_DECODE_STAGES
     else:
         warps, stages = (8 if block_m >= 128 else 4), (2 if q_tiles == 1 else 3)
