@@ -55,8 +55,9 @@ ATTN_PROGRAMS_PER_SM = 4
 # dependent loads; 2 warps with 3 stages let more programs share an SM, and beat 4 warps with 2 stages
 # at 48-token contexts: 22.3 against 24.0 us per layer at batch 256 (Qwen3-0.6B shapes, H200). Within
 # one wave, 4 warps and 2 stages stay: 3.9 against 4.3 us at batch 1, 35 against 42 at batch 1 x 8K
-# (at batch 64, 512 programs, the two are level: 7.77 against 7.74 us). The choice depends on the batch alone, not on the split count (which follows the
-# block table's width), so a graph and an eager step run the same arithmetic and sample the same tokens.
+# (at batch 64, 512 programs, the two are level: 7.77 against 7.74 us). The choice depends on the batch
+# alone, not on the split count (which follows the block table's width), so a graph and an eager step
+# run the same arithmetic and sample the same tokens.
 ATTN_DECODE_WARPS = 2
 ATTN_DECODE_STAGES = 3
 # ... with at least ATTN_MIN_SPLIT_TOKENS keys per split (below), and never more splits than this (each
@@ -400,11 +401,11 @@ def _check_race_args(logits, temperature, seeds, counters) -> None:
 
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                 counters: torch.Tensor, greedy: bool = False) -> torch.Tensor:
-    """Logits [S, V] (float32, or 16-bit, read as float32) -> tokens [S] int64: argmax where temperature is 0, else a draw from
-    softmax(logits / temperature) whose noise depends only on (seed, counter, token id). Logits set to
-    -inf (top-k / top-p filtering) are never drawn. One kernel over (row, vocabulary chunk); the last chunk
-    of a row to finish picks the row's token. greedy=True (every temperature 0, known on the host) skips
-    the noise."""
+    """Logits [S, V] (float32, or 16-bit read as float32) -> tokens [S] int64: argmax where temperature is
+    0, else a draw from softmax(logits / temperature) whose noise depends only on (seed, counter, token id).
+    Logits set to -inf (top-k / top-p filtering) are never drawn. One kernel over (row, vocabulary chunk);
+    the last chunk of a row to finish picks the row's token. greedy=True (every temperature 0, known on
+    the host) skips the noise."""
     _check_race_args(logits, temperature, seeds, counters)
     s, vocab = logits.shape
     if s > MAX_TICKETS:
@@ -1189,17 +1190,17 @@ def rope_write_kv_ref(
 
 
 @triton.jit
-def _rope_tile(x, x_swap, norm_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rope_tile(x, x_swap, swap, norm_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
     """[R, HEAD_DIM] float32: heads x, optionally RMSNormed, then rotated: x * cos + rotate_half(x) * sin,
-    with sin's first half negated by the caller. rotate_half pairs dim d with d + HEAD_DIM/2, so the
-    caller loads each head twice: straight (x) and with its halves swapped (x_swap)."""
+    with sin's first half negated by the caller. rotate_half pairs dim d with swap[d] = d + HEAD_DIM/2
+    (mod HEAD_DIM), so the caller loads each head twice: straight (x) and with its halves swapped
+    (x_swap, at swap)."""
     dims = tl.arange(0, HEAD_DIM)
-    partner = (dims + HEAD_DIM // 2) % HEAD_DIM
     x, x_swap = x.to(tl.float32), x_swap.to(tl.float32)
     if HAS_NORM:
         inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         x = x * inv_rms * tl.load(norm_ptr + dims).to(tl.float32)[None, :]
-        x_swap = x_swap * inv_rms * tl.load(norm_ptr + partner).to(tl.float32)[None, :]
+        x_swap = x_swap * inv_rms * tl.load(norm_ptr + swap).to(tl.float32)[None, :]
     return x * cos[None, :] + x_swap * sin[None, :]
 
 
@@ -1347,9 +1348,11 @@ def _paged_attention_kernel(
         cos = tl.load(cos_sin_ptr + pos * stride_cs + half)
         sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM // 2 + half)
         sin = tl.where(dims < HEAD_DIM // 2, -sin, sin)  # rotate_half(x) = [-x2, x1]
-        q = _rope_tile(q, q_swap, q_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(q_ptr.dtype.element_ty)
+        q = _rope_tile(q, q_swap, swap, q_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
+        q = q.to(q_ptr.dtype.element_ty)
         if split == 0:
-            k = _rope_tile(k, k_swap, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(k_cache_ptr.dtype.element_ty)
+            k = _rope_tile(k, k_swap, swap, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
+            k = k.to(k_cache_ptr.dtype.element_ty)
             slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows write to the scratch block
             slot_ptr = slot * stride_cache_tok + kv_head * stride_cache_head + dims[None, :]
             tl.store(k_cache_ptr + slot_ptr, k)
@@ -1475,14 +1478,13 @@ def _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_
         raise ValueError(f"head_dim ({d}) must be a power of two >= {MIN_DOT} and the page size "
                          f"({page_size}) a power of two")
     b = seq_lens.shape[0]
-    if query_start_loc is None:  # decode_attention: token b is request b's
-        query_start_loc = torch.empty(b + 1, device="meta")
-        if q.shape[0] != b:
-            raise ValueError(f"decode_attention takes one token per request: q has {q.shape[0]} tokens, "
-                             f"seq_lens {b} requests")
-    if query_start_loc.shape != (b + 1,) or block_table.dim() != 2 or block_table.shape[0] != b:
+    if query_start_loc is None and q.shape[0] != b:  # decode_attention: token b is request b's
+        raise ValueError(f"decode_attention takes one token per request: q has {q.shape[0]} tokens, "
+                         f"seq_lens {b} requests")
+    qsl_shape = (b + 1,) if query_start_loc is None else tuple(query_start_loc.shape)
+    if qsl_shape != (b + 1,) or block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"expected query_start_loc [{b + 1}] and block_table [{b}, max_blocks], got "
-                         f"{tuple(query_start_loc.shape)} and {tuple(block_table.shape)}")
+                         f"{qsl_shape} and {tuple(block_table.shape)}")
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
@@ -1655,7 +1657,7 @@ def paged_attention_ref(
 
 
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_lens, block_table, cos_sin_cache,
-                         scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, *, num_splits=None) -> torch.Tensor:
+                         scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6) -> torch.Tensor:
     """rope_write_kv_ref (q rotated in place), then paged_attention_ref: what decode_attention does."""
     rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
                       k_norm_weight, eps)
@@ -1804,7 +1806,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     block_m, block_n, block_k, use_dot, num_warps = _linear_blocks(m, n, k, x.element_size())
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, weight if bias is None else bias, out, m, n, k, x2.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        USE_DOT=use_dot,
         DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps, num_stages=3,
     )
     return out

@@ -19,6 +19,7 @@ import math
 import random
 import subprocess
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -1501,10 +1502,9 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one
     norms = (_randn(d, seed=34), _randn(d, seed=35)) if with_norm else (None, None)
     inputs = [t.clone() for t in (k, v)]
     results = []
-    for fn in (kernels.decode_attention, kernels.decode_attention_ref):
+    for fn in (partial(kernels.decode_attention, num_splits=num_splits), kernels.decode_attention_ref):
         kc, vc = k_cache.clone(), v_cache.clone()
-        out = fn(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms, eps=1e-6,
-                 num_splits=num_splits)
+        out = fn(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms, eps=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(inputs, (k, v))), "k and v are left as they were"
         results.append((out, kc[:-1], vc[:-1]))  # all but the scratch block
     assert launches == [one_launch], "one launch while the batch fits a wave of programs, else two"
@@ -1514,6 +1514,9 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one
     torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-4, equal_nan=True)
     torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0, equal_nan=True)
     assert kernels._tickets(DEVICE).count_nonzero() == 0
+    bad = [torch.cat([t, t[:1]]) for t in (q, k, v)]  # one token more than there are requests
+    with pytest.raises(ValueError, match="one token per request: q has 6 tokens, seq_lens 5 requests"):
+        kernels.decode_attention(*bad, k_cache, v_cache, slots, positions, sl, bt, cos_sin, d**-0.5, *norms)
 
 
 def test_kernel_paged_attention_all_padding():
