@@ -50,19 +50,12 @@ ATTN_PREFILL_BLOCK_M = 64
 # program uses ~40 KB of shared memory, so several run on an SM at once. 4 measured best on an H200
 # (batch 1-16, contexts 1K-8K) against 2 and 8 ...
 ATTN_PROGRAMS_PER_SM = 4
-# Decode attention whose (request, kv head) programs are more than one wave of ATTN_PROGRAMS_PER_SM per
-# SM: warps and pipeline stages per program. At short contexts a decode program is a short chain of
-# dependent loads; 2 warps with 3 stages let more programs share an SM, and beat 4 warps with 2 stages
-# at 48-token contexts: 22.3 against 24.0 us per layer at batch 256 (Qwen3-0.6B shapes, H200). Within
-# one wave, 4 warps and 2 stages stay: 3.9 against 4.3 us at batch 1, 35 against 42 at batch 1 x 8K
-# (at batch 64, 512 programs, the two are level: 7.77 against 7.74 us). The choice depends on the batch
-# alone, not on the split count (which follows the block table's width), so a graph and an eager step
-# run the same arithmetic and sample the same tokens.
-ATTN_DECODE_WARPS = 2
-ATTN_DECODE_STAGES = 3
 # ... with at least ATTN_MIN_SPLIT_TOKENS keys per split (below), and never more splits than this (each
-# keeps a float32 partial of its rows, and the last to finish merges them one by one).
+# keeps a float32 partial of its rows for the merge).
 ATTN_MAX_SPLITS = 64
+# The split merge is a two-level tree of this fan-in: the last split of each group of 8 merges its group,
+# the last group merges the groups, so 64 splits cost 2 x 7 dependent loads, not 63 (batch 1 x 8K).
+ATTN_MERGE_FAN_IN = 8
 # Paged attention: a split covers at least this many keys (rounded up to whole key tiles). The split
 # count is fixed on the host from the block table's width (the graph's maximum context), so without a
 # floor a 128-token context was spread over up to 64 splits of a couple of keys each, every one paying
@@ -1258,10 +1251,11 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [B] int32, context length including this step's tokens
     block_table_ptr,  # [B, max_blocks] int32
     out_ptr,  # [T, H, D] contiguous: written here by rows whose keys fit one split
-    part_out_ptr,  # [NUM_SPLITS, T, H, D] float32 unnormalised (used when NUM_SPLITS > 1)
-    part_ml_ptr,  # [NUM_SPLITS, T, H, 2] float32 running max and sum (same)
-    tickets_ptr,  # [>= B * Hkv] int32 zeros: per (request, kv head), splits done so far (same)
+    part_out_ptr,  # [num_splits, T, H, D] float32 unnormalised (SPLIT only)
+    part_ml_ptr,  # [num_splits, T, H, 2] float32 running max and sum (same)
+    tickets_ptr,  # int32 zeros: per (request, kv head, query tile), groups done, then splits done per group
     num_tokens,  # T
+    num_splits,  # splits launched per query tile (a host-side upper bound); 1 unless SPLIT
     k_new_ptr,  # [T, Hkv, D] strided view: this step's keys (ROPE only: rotated and written to the cache)
     v_new_ptr,  # [T, Hkv, D] strided view: this step's values (ROPE only: written to the cache)
     slot_mapping_ptr,  # [T] their cache slots; -1 = padding row (ROPE only)
@@ -1291,8 +1285,9 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # splits launched per query tile (a host-side upper bound)
+    SPLIT: tl.constexpr,  # num_splits > 1 (a run-time count, so every count shares one compiled kernel)
     MIN_SPLIT_TILES: tl.constexpr,  # key tiles a split covers at least
+    MERGE_FAN_IN: tl.constexpr,  # splits merged per group (the first level of the merge tree)
     DOT_PRECISION: tl.constexpr,
     DECODE: tl.constexpr,  # every request has one query token, so token b is request b's
     ROPE: tl.constexpr,  # decode_attention: rotate q and the new k here, and write the new k and v
@@ -1302,8 +1297,12 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     # Query tiles in reverse: under the causal mask the last tiles see the most keys, and launching
     # them first keeps them from running alone at the end of a prefill.
-    q_tile = tl.num_programs(2) // NUM_SPLITS - 1 - tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    if SPLIT:
+        q_tile = tl.num_programs(2) // num_splits - 1 - tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+    else:
+        q_tile = tl.num_programs(2) - 1 - tl.program_id(2)
+        split = 0
     # At short contexts a program mostly waits on its chain of dependent loads, not on the KV bytes, and
     # a GPU issues a warp's instructions in order: the first use of a loaded value stalls every load
     # behind it. So the lengths are loaded together (a decode batch skips query_start_loc altogether),
@@ -1372,15 +1371,17 @@ def _paged_attention_kernel(
     # The split count is fixed at launch for the longest context the block table allows; this tile uses
     # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
     # zeros of a seq_len-0 row). The rest exit here, and the merge reads only the used ones.
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_SPLIT_TILES)
-    if NUM_SPLITS == 1:
-        splits_used = 1  # a constexpr, so only the direct store below is compiled
-    else:
+    if SPLIT:
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
         splits_used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
         if split >= splits_used:
             return
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        splits_used = 1  # a constexpr, so only the direct store below is compiled
+        tile_lo = 0
+        tile_hi = num_tiles
     q_pos = seq_len - q_len + q_idx
     m, l, acc = _attend_tiles(
         q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
@@ -1388,47 +1389,71 @@ def _paged_attention_kernel(
         qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
     row = token * NUM_HEADS + head  # [BLOCK_M] (token, head) row of out
-    if NUM_SPLITS > 1:
+    if SPLIT:
         if splits_used > 1:
-            # Not final: publish this split's partial, and the split that finishes last merges them all.
+            # Not final: publish this split's partial; the last to finish merges (below).
             part_row = split * num_tokens * NUM_HEADS + row
             tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
             tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
             tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
-            q_tiles = tl.num_programs(2) // NUM_SPLITS
-            ticket_ptr = tickets_ptr + (req * tl.num_programs(1) + kv_head) * q_tiles + q_tile
-            if not _last_to_finish(ticket_ptr, splits_used):
-                return
-            m, l, acc = _merge_splits(m, l, acc, split, splits_used, row, row_ok, num_tokens * NUM_HEADS,
-                                      part_out_ptr, part_ml_ptr, HEAD_DIM)
-    # A context that fits one split (all of them when NUM_SPLITS == 1) is final here, with no partials.
+            # The merge is a two-level tree, so no program loads more than MERGE_FAN_IN - 1 partials one
+            # round trip after another: the last split of each group of MERGE_FAN_IN merges its group
+            # into the group's first slot, and the last group to finish merges the groups.
+            q_tiles = tl.num_programs(2) // num_splits
+            tile_id = (req * tl.num_programs(1) + kv_head) * q_tiles + q_tile
+            num_tile_ids = tl.num_programs(0) * tl.num_programs(1) * q_tiles
+            groups = tl.cdiv(splits_used, MERGE_FAN_IN)
+            first = split // MERGE_FAN_IN * MERGE_FAN_IN
+            members = tl.minimum(splits_used - first, MERGE_FAN_IN)
+            if members > 1:
+                group_ticket = (tickets_ptr + num_tile_ids + tile_id * tl.cdiv(num_splits, MERGE_FAN_IN)
+                                + split // MERGE_FAN_IN)
+                if not _last_to_finish(group_ticket, members):
+                    return
+                m, l, acc = _merge_splits(first, first + members, 1, row, row_ok, num_tokens * NUM_HEADS,
+                                          part_out_ptr, part_ml_ptr, BLOCK_M, HEAD_DIM)
+                if groups > 1:  # publish the group's merge in its first slot, read only by the last group
+                    part_row = first * num_tokens * NUM_HEADS + row
+                    tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc,
+                             mask=row_ok[:, None])
+                    tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
+                    tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
+            if groups > 1:
+                if not _last_to_finish(tickets_ptr + tile_id, groups):
+                    return
+                m, l, acc = _merge_splits(0, splits_used, MERGE_FAN_IN, row, row_ok, num_tokens * NUM_HEADS,
+                                          part_out_ptr, part_ml_ptr, BLOCK_M, HEAD_DIM)
+    # A context that fits one split (all of them without SPLIT) is final here, with no partials.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
     tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge_splits(m, l, acc, split, splits_used, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr,
-                  HEAD_DIM: tl.constexpr):
-    """Log-sum-exp merge of this split's (m, l, acc), still in registers, with the other splits' partials:
-    rescale each by 2^(m_split - m_max). A split that saw no key of a row (m = NEG_BIG, l = 0) adds
-    nothing. Loads go to L2 (.cg): the partials were written by programs on other SMs. One partial per
-    step: loading 4 at a time as one [4, BLOCK_M, HEAD_DIM] tile measured far slower on an H200 (168
-    against 35 us at batch 1 x 8K, 43 against 25 at 16 x 1K), the big tile's registers costing every
-    program of the kernel its occupancy."""
+def _merge_splits(lo, hi, step, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr,
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Log-sum-exp merge of the partials in slots lo, lo + step, ... < hi -> (m, l, acc): rescale each
+    by 2^(m_slot - m_max). A slot that saw no key of a row (m = NEG_BIG, l = 0) adds nothing. Loads go
+    to L2 (.cg): the partials were written by programs on other SMs. The merging program's own partial
+    is read back from memory too: merging into the registers it still held took the kernel from 96 to
+    116-142 registers a thread (ptxas for sm_90), fewer programs per SM for every split launch. One slot
+    per step, a round trip each, which is why the caller merges in a tree; loading 4 slots at a time as
+    one [4, BLOCK_M, HEAD_DIM] tile measured far slower (168 against 35 us at batch 1 x 8K, H200)."""
     dims = tl.arange(0, HEAD_DIM)
-    for other in range(0, splits_used):
-        if other != split:
-            part_row = other * rows_per_split + row
-            m_o = tl.load(part_ml_ptr + part_row * 2, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
-            l_o = tl.load(part_ml_ptr + part_row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-            acc_o = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
-                            other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, m_o)
-            alpha, beta = tl.exp2(m - m_new), tl.exp2(m_o - m_new)
-            acc = acc * alpha[:, None] + acc_o * beta[:, None]
-            l = l * alpha + l_o * beta
-            m = m_new
+    m = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for slot in range(lo, hi, step):
+        part_row = slot * rows_per_split + row
+        m_o = tl.load(part_ml_ptr + part_row * 2, mask=row_ok, other=NEG_BIG, cache_modifier=".cg")
+        l_o = tl.load(part_ml_ptr + part_row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_o = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
+                        other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, m_o)
+        alpha, beta = tl.exp2(m - m_new), tl.exp2(m_o - m_new)
+        acc = acc * alpha[:, None] + acc_o * beta[:, None]
+        l = l * alpha + l_o * beta
+        m = m_new
     return m, l, acc
 
 
@@ -1452,8 +1477,8 @@ def _attention_blocks(max_query_len: int, group: int, head_dim: int) -> tuple[in
 
 def _past_one_wave(programs: int, device: torch.device) -> bool:
     """Whether a decode grid of this many (request, kv head) programs fills the GPU more than once over
-    at ATTN_PROGRAMS_PER_SM each: then it needs no splits, takes 2 warps and 3 stages, and RoPE runs
-    as a kernel of its own (decode_attention)."""
+    at ATTN_PROGRAMS_PER_SM each: then it needs no splits, and RoPE runs as a kernel of its own
+    (decode_attention)."""
     return programs > ATTN_PROGRAMS_PER_SM * _sm_count(device)
 
 
@@ -1580,18 +1605,17 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         # More splits than the longest context the block table holds can fill would all exit at once.
         max_splits = triton.cdiv(block_table.shape[1] * page_size, block_n * min_split_tiles)
         num_splits = _attention_num_splits(b * hkv, max_splits, q.device)
-    if b * hkv * q_tiles > MAX_TICKETS:  # a grid this big fills the GPU without splitting
-        num_splits = 1
-    # A decode batch past one wave: ATTN_DECODE_WARPS / _STAGES. Others with one query tile (smaller
-    # decode batches, short chunks): 4 warps and 2 stages, not 3. Each stage holds a K and a V tile
-    # in shared memory, so fewer stages let more programs share an SM, and at short contexts (a tile or
-    # two per program) that hides more latency than a deeper pipeline: 6.4 vs 7.0 us per layer at batch
-    # 16 and 36 vs 39 at 256 (80-token contexts), and no slower at 1K-2K contexts (H200 sweep, bf16).
+    if b * hkv * q_tiles * (1 + triton.cdiv(num_splits, ATTN_MERGE_FAN_IN)) > MAX_TICKETS:  # a grid this big
+        num_splits = 1  # fills the GPU without splitting
+    # One query tile (decode, short chunks): 4 warps and 2 stages, not 3. Each stage holds a K and a V
+    # tile in shared memory, so fewer stages let more programs share an SM, and at short contexts (a tile
+    # or two per program) that hides more latency than a deeper pipeline: 6.4 vs 7.0 us per layer at
+    # batch 16 and 36 vs 39 at 256 (80-token contexts), and no slower at 1K-2K contexts (H200 sweep,
+    # bf16). 2 warps with 3 stages past one wave of programs was tried: level at 256 x 48-token contexts
+    # (1.967 against 1.948 ms a Qwen3-0.6B step), 2.5% fewer tokens/s in run.py bench (25.6K against
+    # 26.2K, H200), so one choice serves every batch, and a graph and an eager step run the same tiles.
     decode = max_query_len == 1 and t == b
-    if decode and _past_one_wave(b * hkv, q.device):
-        warps, stages = ATTN_DECODE_WARPS, ATTN_DECODE_STAGES
-    else:
-        warps, stages = (8 if block_m >= 128 else 4), (2 if q_tiles == 1 else 3)
+    warps, stages = (8 if block_m >= 128 else 4), (2 if q_tiles == 1 else 3)
     if num_splits > 1:
         part_out = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, t, h, 2), dtype=torch.float32, device=q.device)
@@ -1602,13 +1626,14 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
     k, v, slot_mapping, positions, scratch_slot, cos_sin, q_norm, k_norm, eps, has_norm = \
         rope or (q, q, seq_lens, seq_lens, 0, q, q, q, 0.0, False)
     _paged_attention_kernel[(b, hkv, q_tiles * num_splits)](
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, tickets, t,
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, tickets, t, num_splits,
         k, v, slot_mapping, positions, scratch_slot, cos_sin, q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        MIN_SPLIT_TILES=min_split_tiles, DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        MIN_SPLIT_TILES=min_split_tiles, MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
+        DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
         ROPE=rope is not None, HAS_NORM=has_norm, num_warps=warps, num_stages=stages,
     )
     return out

@@ -1464,10 +1464,17 @@ def test_kernel_paged_attention_splits_merge_in_kernel():
 
 
 def test_kernel_paged_attention_merges_many_splits(monkeypatch):
-    # One 64-key tile per split: the 700-token row uses 11 splits, so the merging split takes the others'
-    # partials one by one (a merge that stopped early or skipped one shows).
+    # One 64-key tile per split, merged in a tree of ATTN_MERGE_FAN_IN = 8: rows of 700 / 130 / 560 /
+    # 1400 / 1024 tokens use 11 (groups of 8 + 3), 3 (one group), 9 (8 + a lone split), 22 (8 + 8 + 6)
+    # and 16 (8 + 8) splits. A merge that stopped early, skipped a partial or a group, or let a lone
+    # split's partial be overwritten shows; every ticket counter must be back at zero. The interpreter
+    # runs programs in grid order, so the highest split always merges here; the bf16 GPU test below runs
+    # a 64-split tree whose programs finish in any order.
     monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", 1)
-    _check_attention([1, 1], [700, 130], h=2, hkv=1, d=32, page=16, max_blocks=44, seed=29, num_splits=16)
+    assert kernels.ATTN_MERGE_FAN_IN == 8
+    _check_attention([1, 1, 1], [700, 130, 560], h=2, hkv=1, d=32, page=16, max_blocks=44, seed=29,
+                     num_splits=16)
+    _check_attention([1, 1], [1400, 1024], h=4, hkv=2, d=32, page=16, max_blocks=88, seed=30, num_splits=24)
     assert kernels._tickets(DEVICE).count_nonzero() == 0
 
 
@@ -1657,6 +1664,7 @@ def test_kernel_gpu_fused_moe_decode_bf16(n):
     ([1] * 4, [8000, 1, 0, 555], None),  # decode, few programs: splits chosen from the SM count
     ([300, 1, 17, 1], [300, 4000, 1000, 0], None),  # mixed prefill / decode / padding
     ([1, 1], [3000, 70], 5),
+    ([1], [8100], None),  # batch 1: 64 splits, merged in a tree of 8 groups of 8 that finish in any order
 ])
 def test_kernel_gpu_paged_attention_bf16(q_lens, seq_lens, num_splits):
     h, hkv, d, page = 16, 8, 128, 16
