@@ -1757,8 +1757,9 @@ def test_kernel_linear_matches_ref(monkeypatch, m, n, k, with_bias):
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_kernel_linear_silu_mul(monkeypatch, m):
-    # The down projection's input made as it is loaded: silu(gate) * up from x = [gate | up] must give
-    # the bits of silu_and_mul followed by the plain kernel (same rounding, same accumulation order).
+    # The down projection's input made as it is loaded (one row; more rows take silu_and_mul and the plain
+    # kernel): silu(gate) * up from x = [gate | up] must give the bits of silu_and_mul followed by the plain
+    # kernel (same rounding, same accumulation order).
     monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
     monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
     x, w, bias = _randn(m, 2 * 600, seed=17), _randn(37, 600, seed=18), _randn(37, seed=19)
@@ -1817,12 +1818,20 @@ def test_kernel_linear_above_max_m_falls_back_to_f_linear():
 
 
 def test_triton_linear_rows_setting():
-    """Default: Triton matmuls for one row on CUDA only; out of range is refused by name."""
+    """Default on the CPU: no Triton matmul; out of range is refused by name."""
     assert nanoengine.EngineConfig(device="cpu", triton=True).triton_linear_rows == 0
-    if CUDA:
-        assert nanoengine.EngineConfig(device="cuda").triton_linear_rows == 1
     with pytest.raises(ValueError, match="triton_linear_rows=17 is invalid"):
         nanoengine.EngineConfig(device="cpu", triton_linear_rows=17)
+
+
+@needs_cuda
+def test_gpu_triton_linear_rows_default():
+    """On CUDA the Triton matmul takes up to 16 rows on a small model (hidden size <= 1024) and one row
+    on a bigger one."""
+    assert nanoengine.build_model(nanoengine.EngineConfig(model="tiny", device="cuda"))[0].ops.linear.keywords == \
+        {"max_rows": 16}
+    big = nanoengine.EngineConfig(model="llama-3.2-1b", device="cuda")
+    assert nanoengine.build_model(big)[0].ops.linear.keywords == {"max_rows": 1} and big.triton_linear_rows == 1
 
 
 def test_kernel_linear_empty():
