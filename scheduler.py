@@ -95,8 +95,13 @@ def block_hash(parent: bytes, tokens) -> bytes:
 class BlockManager:
     """Hands out KV blocks, ref-counted, with prefix caching.
 
-    A full block of real tokens is published under its chain hash. When its last user lets go it is not
-    wiped: it waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix
+    A full block of real tokens is published under its chain hash: a prompt's blocks as soon as they
+    are computed (requests that share a system prompt find them while the first one still runs), the
+    blocks a request fills while decoding only when it lets go of them (finish, abort, preemption), as
+    SGLang inserts a request into its radix cache when it finishes. Decode blocks are what a later
+    request reuses only once their request is done (a conversation's next turn, a recompute), and
+    hashing them as they fill would cost each decode step a visit to every request whose block fills:
+    at 256 requests, most of them on the same step. When its last user lets go a block is not wiped: it waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix
     until the allocator evicts it. The runner's extra scratch block (index num_blocks) is not known here,
     so it can never be handed out.
     """
@@ -185,7 +190,9 @@ class BlockManager:
                 self.hash_of[block] = h
 
     def release(self, req: Request):
-        # Free the tail first, so that the LRU evicts a prefix's last blocks before its first ones.
+        """Publish the blocks req filled while decoding (their KV is written, or queued to be), then give
+        its blocks back; the tail first, so that the LRU evicts a prefix's last blocks before its first."""
+        self.publish(req, req.num_computed_tokens)
         for block in reversed(req.block_ids):
             self.ref_count[block] -= 1
             assert self.ref_count[block] >= 0, f"block {block} freed twice"
@@ -222,11 +229,9 @@ class SchedulerOutput:
 
 def attention_at(count: int, last: int, block_size: int) -> int:
     """For a decode at count `count`: the first count >= count at which the request needs more than +1
-    in a step: its next token starts a block (a multiple of block_size: it may need a block), fills one
-    (one below: publish it), or is its last allowed (async: it must not compute another while that one
-    is in flight)."""
-    fills = count | (block_size - 1)  # the index of the last token of count's block (a power of two)
-    return min(count if count % block_size == 0 else fills, last)
+    in a step: its next token starts a block (a multiple of block_size: it may need a block), or is its
+    last allowed (async: it must not compute another while that one is in flight)."""
+    return min(-(-count // block_size) * block_size, last)
 
 
 @dataclass(eq=False)
@@ -238,9 +243,9 @@ class SteadyDecode:
     caches). Yet most steps are the last step's plan one token later: the same requests, each computing
     the token it sampled last. So when a step decodes the whole running set, its counts are copied into
     arrays here, and while that set stays the same a step is planned with one numpy operation (the
-    counts + 1). A request needs more than +1 only when its next token starts a block, fills one, or is
-    its last (`attend_at`); `quiet` counts the steps until the first such one, and only on that step are
-    the due requests visited one by one.
+    counts + 1). A request needs more than +1 only when its next token starts a block or is its last
+    (`attend_at`); `quiet` counts the steps until the first such one, and only on that step are the due
+    requests visited one by one.
 
     While it stands, `computed` is the truth about its requests' counts: they get theirs back
     (num_computed_tokens) when it is dropped (Scheduler._drop_steady), and only the general path reads
@@ -335,29 +340,23 @@ class Scheduler:
                                steady=s, entering=entering)
 
     def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
-        """The requests due for more than +1: a block for those whose token starts one and has none,
-        and a hash for each block that fills. Returns the requests whose token starts a block and the
-        block it goes to, or None (nothing changed) when the general path must plan this step. A loop
-        over the few due requests: at small batches a dozen numpy operations would cost more."""
+        """The requests due for more than +1: a block for those whose token starts one and has none.
+        Returns the requests whose token starts a block and the block it goes to, or None (nothing
+        changed) when the general path must plan this step."""
         bs, reqs = self.blocks.block_size, s.requests
         due = np.flatnonzero(starts >= s.attend_at)
-        counts, lasts, due = starts[due].tolist(), s.last[due].tolist(), due.tolist()
-        if any(c >= last for c, last in zip(counts, lasts)):
+        counts, lasts = starts[due], s.last[due]
+        if (counts >= lasts).any():
             return None  # async: its last allowed token is in flight; the general path leaves it out
-        starting = [(i, c) for i, c in zip(due, counts) if c % bs == 0]
-        need = [reqs[i] for i, c in starting if c == len(reqs[i].block_ids) * bs]
+        # Short of its last allowed token, a request is due only where its token starts a block.
+        due_counts = list(zip(due.tolist(), counts.tolist()))
+        need = [reqs[i] for i, c in due_counts if c == len(reqs[i].block_ids) * bs]
         if len(need) > self.blocks.num_free_blocks:
             return None  # the general path decides whom to preempt
         for req in need:
             self.blocks.give(req, 1)
-        attend_at = []
-        for i, c, last in zip(due, counts, lasts):
-            if (c + 1) % bs == 0:  # this step's token fills its block
-                self.blocks.publish(reqs[i], c + 1)
-            attend_at.append(attention_at(c + 1, last, bs))
-        s.attend_at[due] = attend_at
-        return (np.array([i for i, _ in starting], dtype=np.int64),
-                np.array([reqs[i].block_ids[c // bs] for i, c in starting], dtype=np.int64))
+        s.attend_at[due] = np.minimum(counts + bs, lasts)  # the next block's start, or the last
+        return due, np.array([reqs[i].block_ids[c // bs] for i, c in due_counts], dtype=np.int64)
 
     def _drop_steady(self):
         """Back to the general path: the requests get their counts back (see SteadyDecode)."""
@@ -431,8 +430,6 @@ class Scheduler:
             req.num_computed_tokens = nc
             req.last_step = step
             budget -= 1
-            if nc % bs == 0:
-                self.blocks.publish(req, nc)
         out.num_decode = len(reqs)
         out.num_tokens = [1] * len(reqs)
         out.samples = [True] * len(reqs)

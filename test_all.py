@@ -424,6 +424,24 @@ def test_prefix_cache_hits_match_reference(ckpt_dirs):
     check_clean(engine)
 
 
+@pytest.mark.parametrize("use_async", [False, True])
+def test_prefix_cache_hits_blocks_filled_while_decoding(ckpt_dirs, use_async):
+    """A block filled while decoding is published when its request finishes: a later request whose prompt
+    is the first one's prompt and output (a conversation's next turn) reuses it."""
+    cfg, sd, folder = ckpt_dirs["llama"]
+    rng = random.Random(5)
+    prompt = [rng.randrange(cfg["vocab_size"]) for _ in range(20)]
+    engine = Engine(model=folder)
+    first = run(engine, [prompt], greedy(40), use_async)[0]
+    # 60 tokens, the first 59 in the cache: blocks 0-2 full, blocks 1 and 2 filled while decoding.
+    turn = prompt + first.token_ids + [rng.randrange(cfg["vocab_size"]) for _ in range(3)]
+    hits_before = engine.scheduler.num_cached_tokens
+    second = run(engine, [turn], greedy(5), use_async)[0]
+    assert engine.scheduler.num_cached_tokens - hits_before == 3 * 16, "the decode-filled blocks were reused"
+    assert second.token_ids == ref_greedy(sd, cfg, turn, 5)
+    check_clean(engine)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 def test_preemption_matches_reference(ckpt_dirs, arch):
     cfg, sd, folder = ckpt_dirs[arch]
