@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 NO_ONE = np.zeros(0, dtype=np.int64)  # an empty selection of requests
+# The most steps whose tokens a SteadyDecode holds (see there); a full one leaves a step to the general path,
+# which gives the requests their tokens. 256 steps of 256 requests are 512 KB.
+STEADY_MAX_STEPS = 256
 
 # A token that has been sampled on the device but not yet read back to the host (async scheduling). The
 # next step feeds it to the model straight from the device; the host fills it in one step later.
@@ -54,7 +57,8 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 @dataclass(eq=False)
 class Request:
     request_id: str
-    token_ids: list[int]              # prompt + generated tokens (the last ones may be PLACEHOLDERs)
+    token_ids: list[int]              # prompt + generated tokens (the last ones may be PLACEHOLDERs);
+                                      # while a SteadyDecode stands, the newest wait in its `tokens`
     params: SamplingParams
     seed: int                         # params.seed, or one drawn by the engine
     num_prompt_tokens: int = 0
@@ -247,9 +251,11 @@ class SteadyDecode:
     (`attend_at`); `quiet` counts the steps until the first such one, and only on that step are the due
     requests visited one by one.
 
-    While it stands, `computed` is the truth about its requests' counts: they get theirs back
-    (num_computed_tokens) when it is dropped (Scheduler._drop_steady), and only the general path reads
-    them. So a step touches each request once, to append its token, and checks stops on arrays.
+    While it stands, `computed` is the truth about its requests' counts, and `tokens` holds the tokens
+    they sampled meanwhile, a row per step (an async launch writes a row of PLACEHOLDERs, filled when its
+    tokens land). The requests get both back, num_computed_tokens and the tail of token_ids, when it is
+    dropped (hand_back), before anything reads them: only the general path and a finishing request do.
+    So a quiet step touches no request at all, and checks stops on arrays.
 
     Valid while the running set is unchanged: a join, finish, abort or preemption drops it, and the next
     step that decodes the whole running set builds a new one. Its tuple of requests is new with each
@@ -261,9 +267,10 @@ class SteadyDecode:
     computed: np.ndarray
     last: np.ndarray         # (n,) int64: max_len - 1, the index of a request's last allowed token
     attend_at: np.ndarray    # (n,) int64: the count at which each needs more than +1 (attention_at)
-    token_lists: tuple[list[int], ...]  # each request's token_ids (the same list objects)
     stops: frozenset         # every stop id of any of them (most often just eos, or none)
     countdown: int           # min(last - computed): steps until the first of them computes its last token
+    tokens: np.ndarray       # (steps, n) int64: row k holds the tokens sampled by its k-th step
+    num_steps: int = 0       # rows of `tokens` written
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
     awaiting: bool = True    # planned, and its tokens not yet appended (update / append_placeholders)
 
@@ -274,9 +281,29 @@ class SteadyDecode:
         last = [r.max_len - 1 for r in reqs]
         attend_at = [attention_at(c, e, block_size) for c, e in zip(computed.tolist(), last)]
         last, attend_at = np.array(last, dtype=np.int64), np.array(attend_at, dtype=np.int64)
-        return cls(reqs, computed, last, attend_at, tuple(r.token_ids for r in reqs),
-                   frozenset().union(*(r.stop_ids for r in reqs)), countdown=int((last - computed).min()),
-                   quiet=int((attend_at - computed).min()))
+        countdown = int((last - computed).min())
+        # It stands for at most countdown + 1 steps (then someone computes its last token); + 1 to spare.
+        tokens = np.empty((min(countdown + 2, STEADY_MAX_STEPS), len(reqs)), dtype=np.int64)
+        return cls(reqs, computed, last, attend_at, frozenset().union(*(r.stop_ids for r in reqs)),
+                   countdown=countdown, tokens=tokens, quiet=int((attend_at - computed).min()))
+
+    def append(self, tokens) -> int:
+        """One step's tokens, (n,) or a PLACEHOLDER for each (async launch); returns their row."""
+        row, self.num_steps, self.awaiting = self.num_steps, self.num_steps + 1, False
+        self.tokens[row] = tokens
+        return row
+
+    def may_stop(self, tokens: np.ndarray) -> bool:
+        """Is any of these tokens a stop id of any request? (Exact when all share one eos.)"""
+        return bool(self.stops) and not self.stops.isdisjoint(tokens.tolist())
+
+    def hand_back(self):
+        """The requests get their counts and the tokens held here (it is being dropped)."""
+        held = self.tokens[:self.num_steps].T.tolist()  # (n, steps)
+        for req, count, tokens in zip(self.requests, self.computed.tolist(), held):
+            assert req.status == RUNNING, f"{req.request_id} left the set before it was dropped"
+            req.num_computed_tokens = count
+            req.token_ids += tokens
 
 
 class Scheduler:
@@ -325,7 +352,8 @@ class Scheduler:
         one token to compute (see SteadyDecode); None where it could differ: a waiting request could
         join, a request's last allowed token is in flight (async), or free blocks are short."""
         s = self.steady
-        if s is None or s.awaiting or (self.waiting and len(self.running) < self.max_num_seqs):
+        if s is None or s.awaiting or s.num_steps == len(s.tokens) or \
+                (self.waiting and len(self.running) < self.max_num_seqs):
             return None
         starts, entering = s.computed, (NO_ONE, NO_ONE)
         if s.quiet <= 0:  # someone needs more than +1: the only steps that look at requests one by one
@@ -359,12 +387,10 @@ class Scheduler:
         return due, np.array([reqs[i].block_ids[c // bs] for i, c in due_counts], dtype=np.int64)
 
     def _drop_steady(self):
-        """Back to the general path: the requests get their counts back (see SteadyDecode)."""
+        """Back to the general path: the requests get their counts and tokens back (see SteadyDecode)."""
         s, self.steady = self.steady, None
         if s is not None:
-            for req, count in zip(s.requests, s.computed.tolist()):
-                if req.status == RUNNING:
-                    req.num_computed_tokens = count
+            s.hand_back()
 
     # -- the general path -------------------------------------------------------------------------------
     def _general_step(self) -> SchedulerOutput:
@@ -486,13 +512,11 @@ class Scheduler:
     def append_placeholders(self, out: SchedulerOutput) -> tuple:
         """Async launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
         slots for fill(): the requests, their placeholders' indices, and for a fast-path plan its
-        SteadyDecode and countdown."""
+        SteadyDecode, the row it holds them in, and its countdown."""
         s = out.steady
         if s is not None and s is self.steady:
-            s.awaiting = False
-            for ids in s.token_lists:
-                ids.append(PLACEHOLDER)
-            return s.requests, s.computed.tolist(), (s, s.countdown)  # at index computed: see SteadyDecode
+            row = s.append(PLACEHOLDER)
+            return s.requests, s.computed, (s, row, s.countdown)  # at index computed: see SteadyDecode
         reqs = self.sampling_requests(out)
         index = [len(r.token_ids) for r in reqs]
         for req in reqs:
@@ -502,16 +526,17 @@ class Scheduler:
     def fill(self, slots: tuple, tokens) -> list[Request]:
         """Put sampled tokens in place, check stops; returns the requests that finished."""
         reqs, index, steady = slots
-        tokens = np.asarray(tokens).tolist()
+        tokens = np.asarray(tokens)
         if steady is not None and steady[0] is self.steady:  # no one left the running set since the launch
-            s, countdown = steady
-            for ids, i, token in zip(s.token_lists, index, tokens):
-                ids[i] = token
-            if countdown > 0 and s.stops.isdisjoint(tokens):
+            s, row, countdown = steady
+            s.tokens[row] = tokens
+            if countdown > 0 and not s.may_stop(tokens):
                 return []  # no one's last token, no one's stop id: no one to look at
-            return self._finished([(req, i, token) for req, i, token in zip(reqs, index, tokens)
+            return self._finished([(req, i, token) for req, i, token in zip(reqs, index.tolist(), tokens.tolist())
                                    if token in req.stop_ids or i + 1 >= req.max_len])
-        ended = []
+        if steady is not None:
+            index = index.tolist()  # the set was dropped since the launch: the tokens go into the lists
+        tokens, ended = tokens.tolist(), []
         for req, i, token in zip(reqs, index, tokens):
             ids = req.token_ids
             if req.status == FINISHED or i >= len(ids):
@@ -536,22 +561,20 @@ class Scheduler:
         return self._finished(ended)
 
     def _steady_update(self, s: SteadyDecode, tokens: np.ndarray) -> list[Request]:
-        """update() for a fast-path plan: a loop that only appends. Stops are looked for request by
+        """update() for a fast-path plan: a row of SteadyDecode's tokens. Stops are looked for request by
         request only when some token is a stop id of some request, or someone reached its last token."""
-        s.awaiting = False
-        tokens = tokens.tolist()
-        for ids, token in zip(s.token_lists, tokens):
-            ids.append(token)
-        ended = []
-        if s.countdown <= 0 or not s.stops.isdisjoint(tokens):
-            for req, i, token in zip(s.requests, s.computed.tolist(), tokens):
-                if token in req.stop_ids or i + 1 >= req.max_len:
-                    ended.append((req, i, token))
-        return self._finished(ended)
+        s.append(tokens)
+        if s.countdown > 0 and not s.may_stop(tokens):
+            return []
+        return self._finished([(req, i, token) for req, i, token in zip(s.requests, s.computed.tolist(),
+                                                                         tokens.tolist())
+                               if token in req.stop_ids or i + 1 >= req.max_len])
 
     def _finished(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
         """Finish each request whose new token (request, index, token) ends it: a stop id, or the last
         allowed index. Returns them."""
+        if ended:
+            self._drop_steady()  # the running set changes, and its tokens must be in token_ids to be cut
         finished = []
         for req, i, token in ended:
             del req.token_ids[i + 1:]  # async: tokens already launched after the stop are dropped
