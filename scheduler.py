@@ -9,9 +9,7 @@ of its tokens: a chunk of its prompt, or the one token it sampled last) -> FINIS
 Most steps are plain decodes of an unchanged running set. Those take a fast path (`SteadyDecode`) whose
 cost is a few numpy operations and one tight loop, however many requests run: see its docstring.
 """
-import hashlib
 import itertools
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -64,7 +62,7 @@ class Request:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0      # tokens whose KV is in the cache (or being written by a launched step)
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of this request's full blocks
+    prefix_ids: list[int] = field(default_factory=list)  # the prefix id of each of its full blocks (block_key)
     status: str = WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival: int = 0                  # FCFS order, kept through preemption
@@ -90,31 +88,37 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-def block_hash(parent: bytes, tokens) -> bytes:
-    """Chained hash: a block's identity is its tokens AND everything before it. The tokens go in as int64
-    bytes (half the cost of formatting them as text: at 256 requests, 16 blocks fill every step)."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+def block_key(parent: int, tokens) -> tuple:
+    """A block's identity in the prefix cache: its tokens AND everything before it, as (the prefix id of
+    the block before it, 0 for none; its tokens). The cache is a dict, which compares keys exactly, so two
+    different prefixes can never meet in one entry, as two hashes can collide. Each published block gets
+    a new prefix id, never reused, so an evicted block's successors cannot be reached through whatever
+    takes its place. A tuple key costs a quarter of a blake2b hash of the tokens' bytes."""
+    return parent, tuple(tokens)
 
 
 class BlockManager:
     """Hands out KV blocks, ref-counted, with prefix caching.
 
-    A full block of real tokens is published under its chain hash: a prompt's blocks as soon as they
+    A full block of real tokens is published under its key (block_key): a prompt's blocks as soon as they
     are computed (requests that share a system prompt find them while the first one still runs), the
     blocks a request fills while decoding only when it lets go of them (finish, abort, preemption), as
     SGLang inserts a request into its radix cache when it finishes. Decode blocks are what a later
     request reuses only once their request is done (a conversation's next turn, a recompute), and
-    hashing them as they fill would cost each decode step a visit to every request whose block fills:
-    at 256 requests, most of them on the same step. When its last user lets go a block is not wiped: it waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix
-    until the allocator evicts it. The runner's extra scratch block (index num_blocks) is not known here,
+    publishing them as they fill would cost each decode step a visit to every request whose block fills:
+    at 256 requests, most of them on the same step. When its last user lets go a block is not wiped: it
+    waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix until
+    the allocator evicts it. The runner's extra scratch block (index num_blocks) is not known here,
     so it can never be handed out.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_count = [0] * num_blocks
-        self.hash_of = [None] * num_blocks          # block -> published hash (None: private)
-        self.block_of: dict[bytes, int] = {}        # published hash -> block
+        self.key_of = [None] * num_blocks           # block -> published key (None: private)
+        self.prefix_id = [0] * num_blocks           # block -> the prefix id of it and all before it
+        self.block_of: dict[tuple, int] = {}        # published key -> block
+        self._prefix_ids = itertools.count(1)       # 0 is the empty prefix
         self.free = deque(range(num_blocks))        # never published, or evicted
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # published, unused; oldest first
 
@@ -126,24 +130,24 @@ class BlockManager:
         if self.free:
             return self.free.popleft()
         block, _ = self.cached_free.popitem(last=False)  # evict the least recently freed
-        del self.block_of[self.hash_of[block]]
-        self.hash_of[block] = None
+        del self.block_of[self.key_of[block]]
+        self.key_of[block] = None
         return block
 
     def cached_prefix(self, req: Request) -> list[int]:
         """Blocks already holding a prefix of req's tokens. The last token is always left to compute,
         since its logits are what the step needs."""
-        blocks, parent = [], b""
+        blocks, parent = [], 0
         n_full = (len(req.token_ids) - 1) // self.block_size
         for i in range(n_full):
             tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
             if PLACEHOLDER in tokens:
                 break
-            parent = block_hash(parent, tokens)
-            block = self.block_of.get(parent)
+            block = self.block_of.get(block_key(parent, tokens))
             if block is None:
                 break
             blocks.append(block)
+            parent = self.prefix_id[block]
         return blocks
 
     def use_cached(self, req: Request, blocks: list[int]):
@@ -152,7 +156,7 @@ class BlockManager:
                 del self.cached_free[block]
             self.ref_count[block] += 1
         req.block_ids = list(blocks)
-        req.block_hashes = [self.hash_of[b] for b in blocks]
+        req.prefix_ids = [self.prefix_id[b] for b in blocks]
         req.num_computed_tokens = len(blocks) * self.block_size
 
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
@@ -176,22 +180,24 @@ class BlockManager:
             req.block_ids.append(block)
 
     def publish(self, req: Request, num_tokens: int):
-        """Hash the blocks that the first num_tokens tokens fill. Hashing stops at the first PLACEHOLDER,
-        and a block whose content is already published by another request (two requests with the same
-        prefix in one step) stays private, so the cache never holds duplicates."""
-        bs = self.block_size
-        while len(req.block_hashes) < num_tokens // bs:
-            i = len(req.block_hashes)
+        """Publish the blocks that the first num_tokens tokens fill. It stops at the first PLACEHOLDER, and a
+        block whose content is already published by another request (two requests with the same prefix
+        in one step) stays private, so the cache never holds duplicates; req's later blocks then follow
+        on from the published one."""
+        bs, ids = self.block_size, req.prefix_ids
+        while len(ids) < num_tokens // bs:
+            i = len(ids)
             tokens = req.token_ids[i * bs:(i + 1) * bs]
             if PLACEHOLDER in tokens:
                 return
-            parent = req.block_hashes[-1] if req.block_hashes else b""
-            h = block_hash(parent, tokens)
-            req.block_hashes.append(h)
-            block = req.block_ids[i]
-            if h not in self.block_of and self.hash_of[block] is None:
-                self.block_of[h] = block
-                self.hash_of[block] = h
+            key = block_key(ids[-1] if ids else 0, tokens)
+            block = self.block_of.get(key)
+            if block is None:  # req's own block: blocks before i are published, so it is still private
+                block = req.block_ids[i]
+                assert self.key_of[block] is None, f"block {block} is published twice"
+                self.block_of[key], self.key_of[block] = block, key
+                self.prefix_id[block] = next(self._prefix_ids)
+            ids.append(self.prefix_id[block])
 
     def release(self, req: Request):
         """Publish the blocks req filled while decoding (their KV is written, or queued to be), then give
@@ -201,11 +207,11 @@ class BlockManager:
             self.ref_count[block] -= 1
             assert self.ref_count[block] >= 0, f"block {block} freed twice"
             if self.ref_count[block] == 0:
-                if self.hash_of[block] is None:
+                if self.key_of[block] is None:
                     self.free.append(block)
                 else:
                     self.cached_free[block] = None
-        req.block_ids, req.block_hashes = [], []
+        req.block_ids, req.prefix_ids = [], []
 
 
 @dataclass

@@ -351,7 +351,7 @@ def check_clean(engine):
     pool = list(bm.free) + list(bm.cached_free)
     assert sorted(pool) == list(range(bm.num_blocks)), "a block is lost, duplicated, or the scratch block leaked"
     for h, b in bm.block_of.items():
-        assert bm.hash_of[b] == h
+        assert bm.key_of[b] == h
     assert engine.runner.kv_cache.shape[2] == bm.num_blocks + 1  # + the scratch block
 
 
@@ -413,7 +413,7 @@ def test_prefix_cache_hits_match_reference(ckpt_dirs):
     engine = Engine(model=folder)
     first = run(engine, prompts, greedy(5))  # same step: duplicates must not be published twice
     bm = engine.scheduler.blocks
-    published = [h for h in bm.hash_of if h is not None]  # one block per content, however many requests had it
+    published = [h for h in bm.key_of if h is not None]  # one block per content, however many requests had it
     assert len(published) == len(set(published)) == len(bm.block_of) >= 4
     hits_before = engine.scheduler.num_cached_tokens
     second = run(engine, prompts, greedy(5))
@@ -814,12 +814,12 @@ def test_graph_buckets_are_decided_once():
 
 @pytest.fixture
 def no_placeholder_hashed(monkeypatch):
-    orig = scheduler.block_hash
+    orig = scheduler.block_key
 
     def checked(parent, tokens):
         assert PLACEHOLDER not in tokens, "a placeholder reached the prefix cache"
         return orig(parent, tokens)
-    monkeypatch.setattr(scheduler, "block_hash", checked)
+    monkeypatch.setattr(scheduler, "block_key", checked)
 
 
 def _random_workload(seed: int):
@@ -939,7 +939,7 @@ def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_asy
         def logged(out, prepare=engine.runner.prepare, log=log):
             batch, sbatch, sampling = prepare(out)
             log.append(([r.request_id for r in out.requests], out.starts.tolist(), list(out.num_tokens),
-                        [(list(r.block_ids), len(r.block_hashes)) for r in out.requests], _staged(batch),
+                        [(list(r.block_ids), len(r.prefix_ids)) for r in out.requests], _staged(batch),
                         _staged(sbatch)))
             return batch, sbatch, sampling
         engine.runner.prepare = logged
