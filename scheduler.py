@@ -9,15 +9,16 @@ of its tokens: a chunk of its prompt, or the one token it sampled last) -> FINIS
 Most steps are plain decodes of an unchanged running set. Those take a fast path (`SteadyDecode`) whose
 cost is a few numpy operations and one tight loop, however many requests run: see its docstring.
 """
-import hashlib
 import itertools
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 NO_ONE = np.zeros(0, dtype=np.int64)  # an empty selection of requests
+# The most steps whose tokens a SteadyDecode holds (see there); a full one leaves a step to the general path,
+# which gives the requests their tokens. 256 steps of 256 requests are 512 KB.
+STEADY_MAX_STEPS = 256
 
 # A token that has been sampled on the device but not yet read back to the host (async scheduling). The
 # next step feeds it to the model straight from the device; the host fills it in one step later.
@@ -54,13 +55,14 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 @dataclass(eq=False)
 class Request:
     request_id: str
-    token_ids: list[int]              # prompt + generated tokens (the last ones may be PLACEHOLDERs)
+    token_ids: list[int]              # prompt + generated tokens (the last ones may be PLACEHOLDERs);
+                                      # while a SteadyDecode stands, the newest wait in its `tokens`
     params: SamplingParams
     seed: int                         # params.seed, or one drawn by the engine
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0      # tokens whose KV is in the cache (or being written by a launched step)
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of this request's full blocks
+    prefix_ids: list[int] = field(default_factory=list)  # the prefix id of each of its full blocks (block_key)
     status: str = WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival: int = 0                  # FCFS order, kept through preemption
@@ -86,26 +88,37 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-def block_hash(parent: bytes, tokens) -> bytes:
-    """Chained hash: a block's identity is its tokens AND everything before it. The tokens go in as int64
-    bytes (half the cost of formatting them as text: at 256 requests, 16 blocks fill every step)."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+def block_key(parent: int, tokens) -> tuple:
+    """A block's identity in the prefix cache: its tokens AND everything before it, as (the prefix id of
+    the block before it, 0 for none; its tokens). The cache is a dict, which compares keys exactly, so two
+    different prefixes can never meet in one entry, as two hashes can collide. Each published block gets
+    a new prefix id, never reused, so an evicted block's successors cannot be reached through whatever
+    takes its place. A tuple key costs a quarter of a blake2b hash of the tokens' bytes."""
+    return parent, tuple(tokens)
 
 
 class BlockManager:
     """Hands out KV blocks, ref-counted, with prefix caching.
 
-    A full block of real tokens is published under its chain hash. When its last user lets go it is not
-    wiped: it waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix
-    until the allocator evicts it. The runner's extra scratch block (index num_blocks) is not known here,
+    A full block of real tokens is published under its key (block_key): a prompt's blocks as soon as they
+    are computed (requests that share a system prompt find them while the first one still runs), the
+    blocks a request fills while decoding only when it lets go of them (finish, abort, preemption), as
+    SGLang inserts a request into its radix cache when it finishes. Decode blocks are what a later
+    request reuses only once their request is done (a conversation's next turn, a recompute), and
+    publishing them as they fill would cost each decode step a visit to every request whose block fills:
+    at 256 requests, most of them on the same step. When its last user lets go a block is not wiped: it
+    waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix until
+    the allocator evicts it. The runner's extra scratch block (index num_blocks) is not known here,
     so it can never be handed out.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref_count = [0] * num_blocks
-        self.hash_of = [None] * num_blocks          # block -> published hash (None: private)
-        self.block_of: dict[bytes, int] = {}        # published hash -> block
+        self.key_of = [None] * num_blocks           # block -> published key (None: private)
+        self.prefix_id = [0] * num_blocks           # block -> the prefix id of it and all before it
+        self.block_of: dict[tuple, int] = {}        # published key -> block
+        self._prefix_ids = itertools.count(1)       # 0 is the empty prefix
         self.free = deque(range(num_blocks))        # never published, or evicted
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # published, unused; oldest first
 
@@ -117,24 +130,24 @@ class BlockManager:
         if self.free:
             return self.free.popleft()
         block, _ = self.cached_free.popitem(last=False)  # evict the least recently freed
-        del self.block_of[self.hash_of[block]]
-        self.hash_of[block] = None
+        del self.block_of[self.key_of[block]]
+        self.key_of[block] = None
         return block
 
     def cached_prefix(self, req: Request) -> list[int]:
         """Blocks already holding a prefix of req's tokens. The last token is always left to compute,
         since its logits are what the step needs."""
-        blocks, parent = [], b""
+        blocks, parent = [], 0
         n_full = (len(req.token_ids) - 1) // self.block_size
         for i in range(n_full):
             tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
             if PLACEHOLDER in tokens:
                 break
-            parent = block_hash(parent, tokens)
-            block = self.block_of.get(parent)
+            block = self.block_of.get(block_key(parent, tokens))
             if block is None:
                 break
             blocks.append(block)
+            parent = self.prefix_id[block]
         return blocks
 
     def use_cached(self, req: Request, blocks: list[int]):
@@ -143,7 +156,7 @@ class BlockManager:
                 del self.cached_free[block]
             self.ref_count[block] += 1
         req.block_ids = list(blocks)
-        req.block_hashes = [self.hash_of[b] for b in blocks]
+        req.prefix_ids = [self.prefix_id[b] for b in blocks]
         req.num_computed_tokens = len(blocks) * self.block_size
 
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
@@ -167,34 +180,38 @@ class BlockManager:
             req.block_ids.append(block)
 
     def publish(self, req: Request, num_tokens: int):
-        """Hash the blocks that the first num_tokens tokens fill. Hashing stops at the first PLACEHOLDER,
-        and a block whose content is already published by another request (two requests with the same
-        prefix in one step) stays private, so the cache never holds duplicates."""
-        bs = self.block_size
-        while len(req.block_hashes) < num_tokens // bs:
-            i = len(req.block_hashes)
+        """Publish the blocks that the first num_tokens tokens fill. It stops at the first PLACEHOLDER, and a
+        block whose content is already published by another request (two requests with the same prefix
+        in one step) stays private, so the cache never holds duplicates; req's later blocks then follow
+        on from the published one."""
+        bs, ids = self.block_size, req.prefix_ids
+        while len(ids) < num_tokens // bs:
+            i = len(ids)
             tokens = req.token_ids[i * bs:(i + 1) * bs]
             if PLACEHOLDER in tokens:
                 return
-            parent = req.block_hashes[-1] if req.block_hashes else b""
-            h = block_hash(parent, tokens)
-            req.block_hashes.append(h)
-            block = req.block_ids[i]
-            if h not in self.block_of and self.hash_of[block] is None:
-                self.block_of[h] = block
-                self.hash_of[block] = h
+            key = block_key(ids[-1] if ids else 0, tokens)
+            block = self.block_of.get(key)
+            if block is None:  # req's own block: blocks before i are published, so it is still private
+                block = req.block_ids[i]
+                assert self.key_of[block] is None, f"block {block} is published twice"
+                self.block_of[key], self.key_of[block] = block, key
+                self.prefix_id[block] = next(self._prefix_ids)
+            ids.append(self.prefix_id[block])
 
     def release(self, req: Request):
-        # Free the tail first, so that the LRU evicts a prefix's last blocks before its first ones.
+        """Publish the blocks req filled while decoding (their KV is written, or queued to be), then give
+        its blocks back; the tail first, so that the LRU evicts a prefix's last blocks before its first."""
+        self.publish(req, req.num_computed_tokens)
         for block in reversed(req.block_ids):
             self.ref_count[block] -= 1
             assert self.ref_count[block] >= 0, f"block {block} freed twice"
             if self.ref_count[block] == 0:
-                if self.hash_of[block] is None:
+                if self.key_of[block] is None:
                     self.free.append(block)
                 else:
                     self.cached_free[block] = None
-        req.block_ids, req.block_hashes = [], []
+        req.block_ids, req.prefix_ids = [], []
 
 
 @dataclass
@@ -222,11 +239,9 @@ class SchedulerOutput:
 
 def attention_at(count: int, last: int, block_size: int) -> int:
     """For a decode at count `count`: the first count >= count at which the request needs more than +1
-    in a step: its next token starts a block (a multiple of block_size: it may need a block), fills one
-    (one below: publish it), or is its last allowed (async: it must not compute another while that one
-    is in flight)."""
-    fills = count | (block_size - 1)  # the index of the last token of count's block (a power of two)
-    return min(count if count % block_size == 0 else fills, last)
+    in a step: its next token starts a block (a multiple of block_size: it may need a block), or is its
+    last allowed (async: it must not compute another while that one is in flight)."""
+    return min(-(-count // block_size) * block_size, last)
 
 
 @dataclass(eq=False)
@@ -238,13 +253,15 @@ class SteadyDecode:
     caches). Yet most steps are the last step's plan one token later: the same requests, each computing
     the token it sampled last. So when a step decodes the whole running set, its counts are copied into
     arrays here, and while that set stays the same a step is planned with one numpy operation (the
-    counts + 1). A request needs more than +1 only when its next token starts a block, fills one, or is
-    its last (`attend_at`); `quiet` counts the steps until the first such one, and only on that step are
-    the due requests visited one by one.
+    counts + 1). A request needs more than +1 only when its next token starts a block or is its last
+    (`attend_at`); `quiet` counts the steps until the first such one, and only on that step are the due
+    requests visited one by one.
 
-    While it stands, `computed` is the truth about its requests' counts: they get theirs back
-    (num_computed_tokens) when it is dropped (Scheduler._drop_steady), and only the general path reads
-    them. So a step touches each request once, to append its token, and checks stops on arrays.
+    While it stands, `computed` is the truth about its requests' counts, and `tokens` holds the tokens
+    they sampled meanwhile, a row per step (an async launch writes a row of PLACEHOLDERs, filled when its
+    tokens land). The requests get both back, num_computed_tokens and the tail of token_ids, when it is
+    dropped (hand_back), before anything reads them: only the general path and a finishing request do.
+    So a quiet step touches no request at all, and checks stops on arrays.
 
     Valid while the running set is unchanged: a join, finish, abort or preemption drops it, and the next
     step that decodes the whole running set builds a new one. Its tuple of requests is new with each
@@ -256,9 +273,10 @@ class SteadyDecode:
     computed: np.ndarray
     last: np.ndarray         # (n,) int64: max_len - 1, the index of a request's last allowed token
     attend_at: np.ndarray    # (n,) int64: the count at which each needs more than +1 (attention_at)
-    token_lists: tuple[list[int], ...]  # each request's token_ids (the same list objects)
     stops: frozenset         # every stop id of any of them (most often just eos, or none)
     countdown: int           # min(last - computed): steps until the first of them computes its last token
+    tokens: np.ndarray       # (steps, n) int64: row k holds the tokens sampled by its k-th step
+    num_steps: int = 0       # rows of `tokens` written
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
     awaiting: bool = True    # planned, and its tokens not yet appended (update / append_placeholders)
 
@@ -269,9 +287,29 @@ class SteadyDecode:
         last = [r.max_len - 1 for r in reqs]
         attend_at = [attention_at(c, e, block_size) for c, e in zip(computed.tolist(), last)]
         last, attend_at = np.array(last, dtype=np.int64), np.array(attend_at, dtype=np.int64)
-        return cls(reqs, computed, last, attend_at, tuple(r.token_ids for r in reqs),
-                   frozenset().union(*(r.stop_ids for r in reqs)), countdown=int((last - computed).min()),
-                   quiet=int((attend_at - computed).min()))
+        countdown = int((last - computed).min())
+        # It stands for at most countdown + 1 steps (then someone computes its last token); + 1 to spare.
+        tokens = np.empty((min(countdown + 2, STEADY_MAX_STEPS), len(reqs)), dtype=np.int64)
+        return cls(reqs, computed, last, attend_at, frozenset().union(*(r.stop_ids for r in reqs)),
+                   countdown=countdown, tokens=tokens, quiet=int((attend_at - computed).min()))
+
+    def append(self, tokens) -> int:
+        """One step's tokens, (n,) or a PLACEHOLDER for each (async launch); returns their row."""
+        row, self.num_steps, self.awaiting = self.num_steps, self.num_steps + 1, False
+        self.tokens[row] = tokens
+        return row
+
+    def may_stop(self, tokens: np.ndarray) -> bool:
+        """Is any of these tokens a stop id of any request? (Exact when all share one eos.)"""
+        return bool(self.stops) and not self.stops.isdisjoint(tokens.tolist())
+
+    def hand_back(self):
+        """The requests get their counts and the tokens held here (it is being dropped)."""
+        held = self.tokens[:self.num_steps].T.tolist()  # (n, steps)
+        for req, count, tokens in zip(self.requests, self.computed.tolist(), held):
+            assert req.status == RUNNING, f"{req.request_id} left the set before it was dropped"
+            req.num_computed_tokens = count
+            req.token_ids += tokens
 
 
 class Scheduler:
@@ -320,7 +358,8 @@ class Scheduler:
         one token to compute (see SteadyDecode); None where it could differ: a waiting request could
         join, a request's last allowed token is in flight (async), or free blocks are short."""
         s = self.steady
-        if s is None or s.awaiting or (self.waiting and len(self.running) < self.max_num_seqs):
+        if s is None or s.awaiting or s.num_steps == len(s.tokens) or \
+                (self.waiting and len(self.running) < self.max_num_seqs):
             return None
         starts, entering = s.computed, (NO_ONE, NO_ONE)
         if s.quiet <= 0:  # someone needs more than +1: the only steps that look at requests one by one
@@ -335,37 +374,29 @@ class Scheduler:
                                steady=s, entering=entering)
 
     def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
-        """The requests due for more than +1: a block for those whose token starts one and has none,
-        and a hash for each block that fills. Returns the requests whose token starts a block and the
-        block it goes to, or None (nothing changed) when the general path must plan this step. A loop
-        over the few due requests: at small batches a dozen numpy operations would cost more."""
+        """The requests due for more than +1: a block for those whose token starts one and has none.
+        Returns the requests whose token starts a block and the block it goes to, or None (nothing
+        changed) when the general path must plan this step."""
         bs, reqs = self.blocks.block_size, s.requests
         due = np.flatnonzero(starts >= s.attend_at)
-        counts, lasts, due = starts[due].tolist(), s.last[due].tolist(), due.tolist()
-        if any(c >= last for c, last in zip(counts, lasts)):
+        counts, lasts = starts[due], s.last[due]
+        if (counts >= lasts).any():
             return None  # async: its last allowed token is in flight; the general path leaves it out
-        starting = [(i, c) for i, c in zip(due, counts) if c % bs == 0]
-        need = [reqs[i] for i, c in starting if c == len(reqs[i].block_ids) * bs]
+        # Short of its last allowed token, a request is due only where its token starts a block.
+        due_counts = list(zip(due.tolist(), counts.tolist()))
+        need = [reqs[i] for i, c in due_counts if c == len(reqs[i].block_ids) * bs]
         if len(need) > self.blocks.num_free_blocks:
             return None  # the general path decides whom to preempt
         for req in need:
             self.blocks.give(req, 1)
-        attend_at = []
-        for i, c, last in zip(due, counts, lasts):
-            if (c + 1) % bs == 0:  # this step's token fills its block
-                self.blocks.publish(reqs[i], c + 1)
-            attend_at.append(attention_at(c + 1, last, bs))
-        s.attend_at[due] = attend_at
-        return (np.array([i for i, _ in starting], dtype=np.int64),
-                np.array([reqs[i].block_ids[c // bs] for i, c in starting], dtype=np.int64))
+        s.attend_at[due] = np.minimum(counts + bs, lasts)  # the next block's start, or the last
+        return due, np.array([reqs[i].block_ids[c // bs] for i, c in due_counts], dtype=np.int64)
 
     def _drop_steady(self):
-        """Back to the general path: the requests get their counts back (see SteadyDecode)."""
+        """Back to the general path: the requests get their counts and tokens back (see SteadyDecode)."""
         s, self.steady = self.steady, None
         if s is not None:
-            for req, count in zip(s.requests, s.computed.tolist()):
-                if req.status == RUNNING:
-                    req.num_computed_tokens = count
+            s.hand_back()
 
     # -- the general path -------------------------------------------------------------------------------
     def _general_step(self) -> SchedulerOutput:
@@ -431,8 +462,6 @@ class Scheduler:
             req.num_computed_tokens = nc
             req.last_step = step
             budget -= 1
-            if nc % bs == 0:
-                self.blocks.publish(req, nc)
         out.num_decode = len(reqs)
         out.num_tokens = [1] * len(reqs)
         out.samples = [True] * len(reqs)
@@ -489,13 +518,11 @@ class Scheduler:
     def append_placeholders(self, out: SchedulerOutput) -> tuple:
         """Async launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
         slots for fill(): the requests, their placeholders' indices, and for a fast-path plan its
-        SteadyDecode and countdown."""
+        SteadyDecode, the row it holds them in, and its countdown."""
         s = out.steady
         if s is not None and s is self.steady:
-            s.awaiting = False
-            for ids in s.token_lists:
-                ids.append(PLACEHOLDER)
-            return s.requests, s.computed.tolist(), (s, s.countdown)  # at index computed: see SteadyDecode
+            row = s.append(PLACEHOLDER)
+            return s.requests, s.computed, (s, row, s.countdown)  # at index computed: see SteadyDecode
         reqs = self.sampling_requests(out)
         index = [len(r.token_ids) for r in reqs]
         for req in reqs:
@@ -505,16 +532,17 @@ class Scheduler:
     def fill(self, slots: tuple, tokens) -> list[Request]:
         """Put sampled tokens in place, check stops; returns the requests that finished."""
         reqs, index, steady = slots
-        tokens = np.asarray(tokens).tolist()
+        tokens = np.asarray(tokens)
         if steady is not None and steady[0] is self.steady:  # no one left the running set since the launch
-            s, countdown = steady
-            for ids, i, token in zip(s.token_lists, index, tokens):
-                ids[i] = token
-            if countdown > 0 and s.stops.isdisjoint(tokens):
+            s, row, countdown = steady
+            s.tokens[row] = tokens
+            if countdown > 0 and not s.may_stop(tokens):
                 return []  # no one's last token, no one's stop id: no one to look at
-            return self._finished([(req, i, token) for req, i, token in zip(reqs, index, tokens)
+            return self._finished([(req, i, token) for req, i, token in zip(reqs, index.tolist(), tokens.tolist())
                                    if token in req.stop_ids or i + 1 >= req.max_len])
-        ended = []
+        if steady is not None:
+            index = index.tolist()  # the set was dropped since the launch: the tokens go into the lists
+        tokens, ended = tokens.tolist(), []
         for req, i, token in zip(reqs, index, tokens):
             ids = req.token_ids
             if req.status == FINISHED or i >= len(ids):
@@ -539,22 +567,20 @@ class Scheduler:
         return self._finished(ended)
 
     def _steady_update(self, s: SteadyDecode, tokens: np.ndarray) -> list[Request]:
-        """update() for a fast-path plan: a loop that only appends. Stops are looked for request by
+        """update() for a fast-path plan: a row of SteadyDecode's tokens. Stops are looked for request by
         request only when some token is a stop id of some request, or someone reached its last token."""
-        s.awaiting = False
-        tokens = tokens.tolist()
-        for ids, token in zip(s.token_lists, tokens):
-            ids.append(token)
-        ended = []
-        if s.countdown <= 0 or not s.stops.isdisjoint(tokens):
-            for req, i, token in zip(s.requests, s.computed.tolist(), tokens):
-                if token in req.stop_ids or i + 1 >= req.max_len:
-                    ended.append((req, i, token))
-        return self._finished(ended)
+        s.append(tokens)
+        if s.countdown > 0 and not s.may_stop(tokens):
+            return []
+        return self._finished([(req, i, token) for req, i, token in zip(s.requests, s.computed.tolist(),
+                                                                         tokens.tolist())
+                               if token in req.stop_ids or i + 1 >= req.max_len])
 
     def _finished(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
         """Finish each request whose new token (request, index, token) ends it: a stop id, or the last
         allowed index. Returns them."""
+        if ended:
+            self._drop_steady()  # the running set changes, and its tokens must be in token_ids to be cut
         finished = []
         for req, i, token in ended:
             del req.token_ids[i + 1:]  # async: tokens already launched after the stop are dropped

@@ -351,7 +351,7 @@ def check_clean(engine):
     pool = list(bm.free) + list(bm.cached_free)
     assert sorted(pool) == list(range(bm.num_blocks)), "a block is lost, duplicated, or the scratch block leaked"
     for h, b in bm.block_of.items():
-        assert bm.hash_of[b] == h
+        assert bm.key_of[b] == h
     assert engine.runner.kv_cache.shape[2] == bm.num_blocks + 1  # + the scratch block
 
 
@@ -413,7 +413,7 @@ def test_prefix_cache_hits_match_reference(ckpt_dirs):
     engine = Engine(model=folder)
     first = run(engine, prompts, greedy(5))  # same step: duplicates must not be published twice
     bm = engine.scheduler.blocks
-    published = [h for h in bm.hash_of if h is not None]  # one block per content, however many requests had it
+    published = [h for h in bm.key_of if h is not None]  # one block per content, however many requests had it
     assert len(published) == len(set(published)) == len(bm.block_of) >= 4
     hits_before = engine.scheduler.num_cached_tokens
     second = run(engine, prompts, greedy(5))
@@ -421,6 +421,24 @@ def test_prefix_cache_hits_match_reference(ckpt_dirs):
     for p, a, b in zip(prompts, first, second):
         want = ref_greedy(sd, cfg, p, 5)
         assert a.token_ids == want and b.token_ids == want
+    check_clean(engine)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_prefix_cache_hits_blocks_filled_while_decoding(ckpt_dirs, use_async):
+    """A block filled while decoding is published when its request finishes: a later request whose prompt
+    is the first one's prompt and output (a conversation's next turn) reuses it."""
+    cfg, sd, folder = ckpt_dirs["llama"]
+    rng = random.Random(5)
+    prompt = [rng.randrange(cfg["vocab_size"]) for _ in range(20)]
+    engine = Engine(model=folder)
+    first = run(engine, [prompt], greedy(40), use_async)[0]
+    # 60 tokens, the first 59 in the cache: blocks 0-2 full, blocks 1 and 2 filled while decoding.
+    turn = prompt + first.token_ids + [rng.randrange(cfg["vocab_size"]) for _ in range(3)]
+    hits_before = engine.scheduler.num_cached_tokens
+    second = run(engine, [turn], greedy(5), use_async)[0]
+    assert engine.scheduler.num_cached_tokens - hits_before == 3 * 16, "the decode-filled blocks were reused"
+    assert second.token_ids == ref_greedy(sd, cfg, turn, 5)
     check_clean(engine)
 
 
@@ -796,12 +814,12 @@ def test_graph_buckets_are_decided_once():
 
 @pytest.fixture
 def no_placeholder_hashed(monkeypatch):
-    orig = scheduler.block_hash
+    orig = scheduler.block_key
 
     def checked(parent, tokens):
         assert PLACEHOLDER not in tokens, "a placeholder reached the prefix cache"
         return orig(parent, tokens)
-    monkeypatch.setattr(scheduler, "block_hash", checked)
+    monkeypatch.setattr(scheduler, "block_key", checked)
 
 
 def _random_workload(seed: int):
@@ -921,7 +939,7 @@ def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_asy
         def logged(out, prepare=engine.runner.prepare, log=log):
             batch, sbatch, sampling = prepare(out)
             log.append(([r.request_id for r in out.requests], out.starts.tolist(), list(out.num_tokens),
-                        [(list(r.block_ids), len(r.block_hashes)) for r in out.requests], _staged(batch),
+                        [(list(r.block_ids), len(r.prefix_ids)) for r in out.requests], _staged(batch),
                         _staged(sbatch)))
             return batch, sbatch, sampling
         engine.runner.prepare = logged
