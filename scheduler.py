@@ -258,8 +258,10 @@ class SteadyDecode:
     requests visited one by one.
 
     While it stands, `computed` is the truth about its requests' counts, and `tokens` holds the tokens
-    they sampled meanwhile, a row per step (an async launch writes a row of PLACEHOLDERs, filled when its
-    tokens land). The requests get both back, num_computed_tokens and the tail of token_ids, when it is
+    they sampled meanwhile, a row per step (an async launch takes its row before its tokens land, and
+    writes nothing into it: on a quiet step at 256 requests even filling a row cost ~20 us on the CPU,
+    with caches cold after the forward; a row handed back before they land reads as PLACEHOLDERs). The
+    requests get both back, num_computed_tokens and the tail of token_ids, when it is
     dropped (hand_back), before anything reads them: only the general path and a finishing request do.
     So a quiet step touches no request at all, and checks stops on arrays.
 
@@ -276,7 +278,8 @@ class SteadyDecode:
     stops: frozenset         # every stop id of any of them (most often just eos, or none)
     countdown: int           # min(last - computed): steps until the first of them computes its last token
     tokens: np.ndarray       # (steps, n) int64: row k holds the tokens sampled by its k-th step
-    num_steps: int = 0       # rows of `tokens` written
+    num_steps: int = 0       # rows of `tokens` in use (one per planned step)
+    landed: int = 0          # ... of which the first `landed` hold tokens (async: the last may be in flight)
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
     awaiting: bool = True    # planned, and its tokens not yet appended (update / append_placeholders)
 
@@ -293,11 +296,18 @@ class SteadyDecode:
         return cls(reqs, computed, last, attend_at, frozenset().union(*(r.stop_ids for r in reqs)),
                    countdown=countdown, tokens=tokens, quiet=int((attend_at - computed).min()))
 
-    def append(self, tokens) -> int:
-        """One step's tokens, (n,) or a PLACEHOLDER for each (async launch); returns their row."""
+    def append(self, tokens=None) -> int:
+        """A row for one step's tokens, (n,): given (sync), or to come (an async launch: `land` writes
+        them, and until then the row stands for PLACEHOLDERs). Returns the row."""
         row, self.num_steps, self.awaiting = self.num_steps, self.num_steps + 1, False
-        self.tokens[row] = tokens
+        if tokens is not None:
+            self.land(row, tokens)
         return row
+
+    def land(self, row: int, tokens):
+        """A step's tokens arrive; rows land in order (one step is in flight at most)."""
+        self.tokens[row] = tokens
+        self.landed = row + 1
 
     def may_stop(self, tokens: np.ndarray) -> bool:
         """Is any of these tokens a stop id of any request? (Exact when all share one eos.)"""
@@ -305,6 +315,7 @@ class SteadyDecode:
 
     def hand_back(self):
         """The requests get their counts and the tokens held here (it is being dropped)."""
+        self.tokens[self.landed:self.num_steps] = PLACEHOLDER  # launched, not landed: filled by index later
         held = self.tokens[:self.num_steps].T.tolist()  # (n, steps)
         for req, count, tokens in zip(self.requests, self.computed.tolist(), held):
             assert req.status == RUNNING, f"{req.request_id} left the set before it was dropped"
@@ -521,7 +532,7 @@ class Scheduler:
         SteadyDecode, the row it holds them in, and its countdown."""
         s = out.steady
         if s is not None and s is self.steady:
-            row = s.append(PLACEHOLDER)
+            row = s.append()
             return s.requests, s.computed, (s, row, s.countdown)  # at index computed: see SteadyDecode
         reqs = self.sampling_requests(out)
         index = [len(r.token_ids) for r in reqs]
@@ -535,7 +546,7 @@ class Scheduler:
         tokens = np.asarray(tokens)
         if steady is not None and steady[0] is self.steady:  # no one left the running set since the launch
             s, row, countdown = steady
-            s.tokens[row] = tokens
+            s.land(row, tokens)
             if countdown > 0 and not s.may_stop(tokens):
                 return []  # no one's last token, no one's stop id: no one to look at
             return self._finished([(req, i, token) for req, i, token in zip(reqs, index.tolist(), tokens.tolist())
