@@ -1392,13 +1392,13 @@ def _paged_attention_kernel(
     if SPLIT:
         if splits_used > 1:
             # Not final: publish this split's partial; the last to finish merges (below).
-            part_row = split * num_tokens * NUM_HEADS + row
-            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
-            tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
-            tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
+            _store_partial(m, l, acc, split, row, row_ok, num_tokens * NUM_HEADS, part_out_ptr, part_ml_ptr,
+                           HEAD_DIM)
             # The merge is a two-level tree, so no program loads more than MERGE_FAN_IN - 1 partials one
             # round trip after another: the last split of each group of MERGE_FAN_IN merges its group
             # into the group's first slot, and the last group to finish merges the groups.
+            # Tickets: one per (request, kv head, query tile) counts its groups done; after those, one per
+            # group counts its splits done.
             q_tiles = tl.num_programs(2) // num_splits
             tile_id = (req * tl.num_programs(1) + kv_head) * q_tiles + q_tile
             num_tile_ids = tl.num_programs(0) * tl.num_programs(1) * q_tiles
@@ -1413,11 +1413,8 @@ def _paged_attention_kernel(
                 m, l, acc = _merge_splits(first, first + members, 1, row, row_ok, num_tokens * NUM_HEADS,
                                           part_out_ptr, part_ml_ptr, BLOCK_M, HEAD_DIM)
                 if groups > 1:  # publish the group's merge in its first slot, read only by the last group
-                    part_row = first * num_tokens * NUM_HEADS + row
-                    tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc,
-                             mask=row_ok[:, None])
-                    tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
-                    tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
+                    _store_partial(m, l, acc, first, row, row_ok, num_tokens * NUM_HEADS, part_out_ptr,
+                                   part_ml_ptr, HEAD_DIM)
             if groups > 1:
                 if not _last_to_finish(tickets_ptr + tile_id, groups):
                     return
@@ -1427,6 +1424,16 @@ def _paged_attention_kernel(
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # rows that saw no key stay 0
     tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_partial(m, l, acc, slot, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM: tl.constexpr):
+    """A split's (or a group's) running max, sum and unnormalised output, to partial slot `slot`."""
+    dims = tl.arange(0, HEAD_DIM)
+    part_row = slot * rows_per_split + row
+    tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
+    tl.store(part_ml_ptr + part_row * 2 + 1, l, mask=row_ok)
 
 
 @triton.jit
