@@ -1713,7 +1713,7 @@ def _linear_kernel(
     in_features,  # K
     stride_xm,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,  # x is [M, 2K] = [gate | up] and the input is silu(gate) * up
+    SILU_MUL: tl.constexpr,  # one row only: x is [1, 2K] = [gate | up] and the input is silu(gate) * up
     BLOCK_M: tl.constexpr,  # 1 on the FMA path, MIN_DOT on the tl.dot path
     BLOCK_N: tl.constexpr,  # output features, i.e. weight rows, per program
     BLOCK_K: tl.constexpr,
@@ -1743,11 +1743,15 @@ def _linear_kernel(
         # [BLOCK_N, BLOCK_K], K contiguous: 16-byte loads
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
-            xt = _linear_input(x_rows[None, :] + ks[:, None], row_ok[None, :] & k_ok[:, None], in_features,
-                               SILU_MUL)  # [BLOCK_K, BLOCK_M]
+            xt = tl.load(x_rows[None, :] + ks[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
             acc += tl.dot(w, xt, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         else:
-            x = _linear_input(x_ptr + ks, k_ok, in_features, SILU_MUL)  # [BLOCK_K], the only row
+            x_ptrs = x_ptr + ks
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)  # [BLOCK_K], the only row
+            if SILU_MUL:  # silu(gate) * up, in float32 and rounded to x's dtype as silu_and_mul stores it
+                gate = x.to(tl.float32)
+                up = tl.load(x_ptrs + in_features, mask=k_ok, other=0.0).to(tl.float32)
+                x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if USE_DOT:
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -1757,19 +1761,6 @@ def _linear_kernel(
         out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_offs = rows.to(tl.int64)[:, None] * out_features + cols[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _linear_input(ptrs, mask, in_features, SILU_MUL: tl.constexpr):
-    """A tile of the matmul's input. With SILU_MUL, silu(gate) * up from the [gate | up] halves of each
-    row, computed in float32 and rounded to x's dtype exactly as silu_and_mul stores it: the MLP's down
-    projection then needs no separate SiLU kernel (one launch, ~2.5 us, less per layer at decode)."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if SILU_MUL:
-        gate = x.to(tl.float32)
-        up = tl.load(ptrs + in_features, mask=mask, other=0.0).to(tl.float32)
-        x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
-    return x
 
 
 def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int, int, bool, int]:
@@ -1822,8 +1813,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     For decode: with at most max_rows (<= LINEAR_MAX_M) rows the matmul is a pass over the weight, and one
     program per few weight rows streams it at close to full bandwidth (cuBLAS reaches ~30% of it on small
     matrices). More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows.
-    silu_mul=True: x is [..., 2K], the MLP's [gate | up], and the input is silu_and_mul(x), made as the
-    kernel loads it (above max_rows: silu_and_mul, then F.linear)."""
+    silu_mul=True: x is [..., 2K], the MLP's [gate | up], and the input is silu_and_mul(x): made as the
+    one-row kernel loads it (one launch less per layer at batch 1), by silu_and_mul for more rows."""
     _check_linear_args(x, weight, bias, silu_mul)
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])  # [M, K or 2K], a view for the usual contiguous x

@@ -215,9 +215,8 @@ OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "moe_route", "fused_moe", "rope
 def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
     """The kernels the forward calls: Triton launchers, or their plain-torch references (same arguments).
     `linear` is cuBLAS (F.linear), except that matmuls of up to triton_linear_rows rows run a Triton kernel
-    that streams the weights at closer to full bandwidth than cuBLAS manages for so few rows. On the H200,
-    at one row it beat cuBLAS on every decode matrix (1.06-1.69x over a whole step), at 4-16 rows it was
-    0.9-1.1x: so the engine's default is 1 (a batch of one, or the lm_head of one sampling request)."""
+    that streams the weights at closer to full bandwidth than cuBLAS manages for so few rows (the default
+    by model size is in build_model)."""
     ops = {name: getattr(kernels, name if triton else name + "_ref") for name in OPS}
     if triton and triton_linear_rows:
         ops["linear"] = partial(kernels.linear, max_rows=triton_linear_rows)

@@ -237,11 +237,11 @@ class SchedulerOutput:
         return len(self.requests) if self.is_decode else sum(self.samples)
 
 
-def attention_at(count: int, last: int, block_size: int) -> int:
-    """For a decode at count `count`: the first count >= count at which the request needs more than +1
-    in a step: its next token starts a block (a multiple of block_size: it may need a block), or is its
-    last allowed (async: it must not compute another while that one is in flight)."""
-    return min(-(-count // block_size) * block_size, last)
+def attention_at(count: np.ndarray, last: np.ndarray, block_size: int) -> np.ndarray:
+    """For decodes at counts `count` (arrays, one per request): the first count >= count at which each
+    needs more than +1 in a step: its next token starts a block (a multiple of block_size: it may need a
+    block), or is its last allowed (async: it must not compute another while that one is in flight)."""
+    return np.minimum(-(-count // block_size) * block_size, last)
 
 
 @dataclass(eq=False)
@@ -287,9 +287,8 @@ class SteadyDecode:
     def of(cls, out: SchedulerOutput, block_size: int) -> "SteadyDecode":
         """From a plan that decodes the whole running set (already applied to the requests)."""
         reqs, computed = out.requests, out.starts + 1
-        last = [r.max_len - 1 for r in reqs]
-        attend_at = [attention_at(c, e, block_size) for c, e in zip(computed.tolist(), last)]
-        last, attend_at = np.array(last, dtype=np.int64), np.array(attend_at, dtype=np.int64)
+        last = np.array([r.max_len - 1 for r in reqs], dtype=np.int64)
+        attend_at = attention_at(computed, last, block_size)
         countdown = int((last - computed).min())
         # It stands for at most countdown + 1 steps (then someone computes its last token); + 1 to spare.
         tokens = np.empty((min(countdown + 2, STEADY_MAX_STEPS), len(reqs)), dtype=np.int64)
@@ -400,7 +399,7 @@ class Scheduler:
             return None  # the general path decides whom to preempt
         for req in need:
             self.blocks.give(req, 1)
-        s.attend_at[due] = np.minimum(counts + bs, lasts)  # the next block's start, or the last
+        s.attend_at[due] = attention_at(counts + 1, lasts, bs)  # the next block's start, or the last
         return due, np.array([reqs[i].block_ids[c // bs] for i, c in due_counts], dtype=np.int64)
 
     def _drop_steady(self):
@@ -547,10 +546,7 @@ class Scheduler:
         if steady is not None and steady[0] is self.steady:  # no one left the running set since the launch
             s, row, countdown = steady
             s.land(row, tokens)
-            if countdown > 0 and not s.may_stop(tokens):
-                return []  # no one's last token, no one's stop id: no one to look at
-            return self._finished([(req, i, token) for req, i, token in zip(reqs, index.tolist(), tokens.tolist())
-                                   if token in req.stop_ids or i + 1 >= req.max_len])
+            return self._steady_ended(s, index, countdown, tokens)
         if steady is not None:
             index = index.tolist()  # the set was dropped since the launch: the tokens go into the lists
         tokens, ended = tokens.tolist(), []
@@ -581,10 +577,15 @@ class Scheduler:
         """update() for a fast-path plan: a row of SteadyDecode's tokens. Stops are looked for request by
         request only when some token is a stop id of some request, or someone reached its last token."""
         s.append(tokens)
-        if s.countdown > 0 and not s.may_stop(tokens):
-            return []
-        return self._finished([(req, i, token) for req, i, token in zip(s.requests, s.computed.tolist(),
-                                                                         tokens.tolist())
+        return self._steady_ended(s, s.computed, s.countdown, tokens)
+
+    def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray) -> list:
+        """The requests of s that a step's tokens (at index, with countdown steps to the first last token)
+        finish; looked at one by one only when some token is a stop id of some request, or someone
+        reached its last token."""
+        if countdown > 0 and not s.may_stop(tokens):
+            return []  # no one's last token, no one's stop id: no one to look at
+        return self._finished([(req, i, token) for req, i, token in zip(s.requests, index.tolist(), tokens.tolist())
                                if token in req.stop_ids or i + 1 >= req.max_len])
 
     def _finished(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
