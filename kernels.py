@@ -75,10 +75,11 @@ RACE_CHUNK = 8192
 RACE_BLOCK_V = 1024
 # linear(): the Triton skinny GEMM runs for up to this many rows; above it cuBLAS's tensor-core tiles
 # reuse each weight tile across enough rows to win, and F.linear takes over.
-LINEAR_MAX_M = 16
+LINEAR_MAX_M = 256
 # ... one row runs on CUDA-core FMAs (one per weight element, ~6% of the H200's fp32 peak at 4.3 TB/s);
-# 2..16 rows pad to 16 and run on tl.dot, since 16 FMAs per element would reach that peak and make the
-# arithmetic, not the memory, the limit.
+# 2 or more rows pad to a power of two from 16 and run on tl.dot, since 16 FMAs per element would reach
+# that peak and make the arithmetic, not the memory, the limit; a program takes at most this many rows.
+LINEAR_DOT_MAX_BLOCK_M = 64
 # Weight bytes per program per K step: 16 KB in flight per program (8192 bf16, 4-8 x 16 B loads per
 # thread on the FMA path); two or more programs per SM then keep the ~32 KB per SM in flight that
 # 4.3 TB/s needs at ~1 us DRAM latency.
@@ -1714,16 +1715,20 @@ def _linear_kernel(
     stride_xm,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # one row only: x is [1, 2K] = [gate | up] and the input is silu(gate) * up
-    BLOCK_M: tl.constexpr,  # 1 on the FMA path, MIN_DOT on the tl.dot path
+    BLOCK_M: tl.constexpr,  # 1 on the FMA path, 16 to LINEAR_DOT_MAX_BLOCK_M on the tl.dot path
     BLOCK_N: tl.constexpr,  # output features, i.e. weight rows, per program
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # A program owns BLOCK_N output features for all M rows, so the weight is read from memory exactly
-    # once; x (M x K, a few KB) is read again by every program, from L2.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
+    # A program owns BLOCK_N output features for BLOCK_M rows: up to LINEAR_DOT_MAX_BLOCK_M rows that is all of
+    # them, and the weight is read from memory exactly once; x (a few KB to a few hundred) is read again by
+    # every program, from L2. With more rows the programs of one weight tile (one per row block) are
+    # numbered side by side, so they run together and all but the first read the tile from L2.
+    row_blocks = tl.cdiv(num_rows, BLOCK_M)
+    pid = tl.program_id(0)
+    cols = (pid // row_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < out_features
     row_ok = rows < num_rows
     w_rows = weight_ptr + cols.to(tl.int64)[:, None] * in_features  # [BLOCK_N, 1]
@@ -1767,13 +1772,16 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
     """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, num_warps) from the shapes alone."""
     use_dot = m > 1
     if use_dot:
-        # The widest BLOCK_N (each x chunk reused by more weight rows) that still leaves MIN_PROGRAMS
-        # programs, two per SM; tl.dot needs BLOCK_N >= 16; 64 on the widest matrices (lm_head) cuts the x
-        # re-reads to a quarter of the weight bytes at M = 16. 4 warps: one warpgroup.
-        block_m, block_n, num_warps = MIN_DOT, 64, 4
-        while block_n > MIN_DOT and triton.cdiv(n, block_n) < MIN_PROGRAMS:
+        # Rows pad to a power of two from 16 (tl.dot's least) to LINEAR_DOT_MAX_BLOCK_M; more rows take more
+        # row blocks. Then the widest BLOCK_N (each x chunk reused by more weight rows) that still leaves
+        # MIN_PROGRAMS programs, two per SM; tl.dot needs BLOCK_N >= 16; 64 on the widest matrices (lm_head)
+        # cuts the x re-reads to a quarter of the weight bytes at M = 16. 4 warps: one warpgroup.
+        block_m, block_n, num_warps = min(max(MIN_DOT, _next_pow2(m)), LINEAR_DOT_MAX_BLOCK_M), 64, 4
+        row_blocks = triton.cdiv(m, block_m)
+        while block_n > MIN_DOT and triton.cdiv(n, block_n) * row_blocks < MIN_PROGRAMS:
             block_n //= 2
-        block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
+        tile = max(block_n, block_m)  # the larger of the weight tile [BLOCK_N, BLOCK_K] and x's [BLOCK_K, BLOCK_M]
+        block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (tile * element_size), _next_pow2(k)))
         return block_m, block_n, block_k, use_dot, num_warps
     # One row, two tile shapes from an H200 sweep (BLOCK_N 2-32, 8-32 KB tiles, 4 or 8 warps, one call per
     # layer in a CUDA graph) at the shapes of Qwen3-0.6B, Llama-3.2-1B and Llama-3-8B. When a row splits
@@ -1831,7 +1839,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0 or n == 0:
         return out
     block_m, block_n, block_k, use_dot, num_warps = _linear_blocks(m, n, k, x.element_size())
-    _linear_kernel[(triton.cdiv(n, block_n),)](
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    _linear_kernel[(programs,)](
         x2, weight, weight if bias is None else bias, out, m, n, k, x2.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         USE_DOT=use_dot,

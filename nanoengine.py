@@ -520,7 +520,7 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
         # small models: at Qwen3-0.6B's shapes it matches cuBLAS (759 against 780 us at 16 rows) with one
         # kernel less per layer (cuBLAS splits K for the o matmul and adds a reduction), so a step at 4 /
         # 16 requests took 1.134 / 1.190 ms against 1.220 / 1.228; at Llama-3-8B's cuBLAS is 9% faster.
-        cfg.triton_linear_rows = kernels.LINEAR_MAX_M if mcfg.hidden_size <= 1024 else 1
+        cfg.triton_linear_rows = 16 if mcfg.hidden_size <= 1024 else 1
     if cfg.fuse:
         model.fuse(kernels=True, triton=cfg.triton, triton_linear_rows=cfg.triton_linear_rows)
     return model.eval(), folder

@@ -1008,7 +1008,7 @@ def test_profile_summary_splits_idle_time(tmp_path):
 
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--prompt-ids", "1,2", "--max-tokens", "0"], "max_tokens=0"),
-    (["overhead", "--triton-linear-rows", "17"], "triton_linear_rows=17"),
+    (["overhead", "--triton-linear-rows", "257"], "triton_linear_rows=257"),
     (["generate", "--prompt-ids", "1,x"], "--prompt-ids"),
     (["generate", "--model", "/no/such/dir", "--prompt-ids", "1"], "neither a folder nor a preset"),
     (["generate", "--prompt", "hi"], "no tokenizer"),
@@ -1755,9 +1755,10 @@ def _poison_empty(monkeypatch) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-# M = 1: the FMA path; 3 and 16: tl.dot with rows padded to 16. (70, 200): N and K both ragged against
-# every block size; (64, 512): whole blocks, two K steps; (37, 600): several K steps and a ragged tail.
-@pytest.mark.parametrize("m", [1, 3, 16])
+# M = 1: the FMA path; 3 and 16: tl.dot with rows padded to 16; 40: one block of 64 rows; 130: three
+# blocks of 64, the last ragged. (70, 200): N and K both ragged against every block size; (64, 512):
+# whole blocks, two K steps; (37, 600): several K steps and a ragged tail.
+@pytest.mark.parametrize("m", [1, 3, 16, 40, 130])
 @pytest.mark.parametrize("n,k", [(70, 200), (64, 512), (37, 600)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_linear_matches_ref(monkeypatch, m, n, k, with_bias):
@@ -1838,8 +1839,8 @@ def test_kernel_linear_above_max_m_falls_back_to_f_linear():
 def test_triton_linear_rows_setting():
     """Default on the CPU: no Triton matmul; out of range is refused by name."""
     assert nanoengine.EngineConfig(device="cpu", triton=True).triton_linear_rows == 0
-    with pytest.raises(ValueError, match="triton_linear_rows=17 is invalid"):
-        nanoengine.EngineConfig(device="cpu", triton_linear_rows=17)
+    with pytest.raises(ValueError, match="triton_linear_rows=257 is invalid"):
+        nanoengine.EngineConfig(device="cpu", triton_linear_rows=257)
 
 
 @needs_cuda
@@ -1868,15 +1869,16 @@ SHAPES = {  # name: (K, N)
 }
 
 
-@pytest.mark.parametrize("m", [1, 2, 16])
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 256])
 def test_kernel_linear_block_choice(m):
     for name, (k, n) in SHAPES.items():
         block_m, block_n, block_k, use_dot, num_warps = kernels._linear_blocks(m, n, k, 2)
-        programs = -(-n // block_n)
-        assert use_dot == (m > 1) and block_m >= m, name
+        programs = -(-n // block_n) * -(-m // block_m)
+        assert use_dot == (m > 1) and block_m == min(max(m, 1 if m == 1 else 16), 64), name
         # Two programs per SM, unless the narrowest block allowed (16 for tl.dot) still gives fewer.
         assert programs >= kernels.MIN_PROGRAMS or block_n == (kernels.MIN_DOT if use_dot else 1), name
-        assert block_n * block_k * 2 == kernels.LINEAR_TILE_BYTES or block_k >= k, name
+        # the larger tile, weight's [BLOCK_N, BLOCK_K] or x's [BLOCK_K, BLOCK_M], fills the budget
+        assert max(block_n, block_m) * block_k * 2 == kernels.LINEAR_TILE_BYTES or block_k >= k, name
         long_rows = not use_dot and k % kernels.LINEAR_LONG_K == 0  # e.g. Llama's K = 2048, 8192
         assert num_warps == (4 if use_dot or long_rows else 8), name
         assert block_k == kernels.LINEAR_LONG_K or not long_rows, name
