@@ -115,6 +115,7 @@ def overhead_header(engine: Engine, a, device: str) -> dict:
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests,
                 triton_linear_rows=engine.cfg.triton_linear_rows,
+                pdl=kernels._pdl(torch.device(device))["launch_pdl"],  # NANOENGINE_PDL=0 turns it off
                 prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {a.bandwidth / 1e12:.2f} TB/s")
 
@@ -489,7 +490,7 @@ def bench_kernels(groups=KERNEL_GROUPS, out_lines: list | None = None) -> None:
 
 
 LINEAR_REP_MS = 5  # timed replay per measurement; 84 measurements keep the run near 30 s
-LINEAR_M = (1, 4, 16)  # decode batch sizes the Triton linear serves (above 16 rows it hands over to cuBLAS)
+LINEAR_M = (1, 4, 16, 64)  # decode batch sizes the Triton linear may serve (triton_linear_rows)
 ROTATE_BYTES = 192 * 2**20  # weight copies cycled per shape: over 3x the 60 MB L2
 # (K, N) of each matrix; layers = how often a decode step reads it.
 LINEAR_SHAPES = {
