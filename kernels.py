@@ -16,12 +16,10 @@ This file imports nothing from the rest of nanoengine. Tests: the kernel section
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # tl.dot needs every dimension of its tiles to be at least 16.
 MIN_DOT = 16
@@ -141,32 +139,6 @@ def _last_to_finish(ticket_ptr, group_size):
     return last
 
 
-# Programmatic dependent launch (Hopper and newer): even replayed from a CUDA graph, a kernel normally
-# starts only after the one before it has finished and its memory is flushed, and then its programs are
-# launched and start up: a microsecond or two at every kernel boundary, over 200 boundaries a decode step.
-# Launched with launch_pdl, a kernel may start while the one before is still running; each of its programs
-# first waits (gdc_wait) until that kernel has finished and its writes are visible, then lets the next
-# kernel start launching in turn (gdc_launch_dependents). Every program of every kernel waits before it
-# touches memory, so a kernel also sees all the kernels before the one it waited for. NANOENGINE_PDL=0
-# launches every kernel plainly (for A/B runs); the interpreter never uses it.
-PDL = os.environ.get("NANOENGINE_PDL", "1") != "0"
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl(device: torch.device) -> dict:
-    """The launch options of every kernel here: PDL=True and launch_pdl=True on a Hopper-or-newer GPU."""
-    on = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return dict(PDL=on, launch_pdl=on)
-
-
-@triton.jit
-def _wait_for_previous_kernel(PDL: tl.constexpr):
-    """The first statement of every kernel (see PDL above)."""
-    if PDL:
-        gdc_wait()  # the kernel before has finished; its writes are visible from here on
-        gdc_launch_dependents()  # the kernel after may start launching now
-
-
 # ---------------------------------------------------------------------------------------------------
 # RMSNorm
 # ---------------------------------------------------------------------------------------------------
@@ -185,9 +157,7 @@ def _rmsnorm_kernel(
     eps,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < num_rows
@@ -224,7 +194,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x3, weight, out, num_rows, x3.shape[1], x3.stride(0), x3.stride(1), dim, eps,
         BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=_elementwise_warps(block_rows * block_d),
-        **_pdl(x.device),
     )
     return out
 
@@ -252,9 +221,7 @@ def _add_rmsnorm_kernel(
     eps,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < dim
@@ -296,7 +263,6 @@ def add_rmsnorm(
     _add_rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x2, residual, weight, out, num_rows, x2.stride(0), dim, eps,
         BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=_elementwise_warps(block_rows * block_d),
-        **_pdl(x.device),
     )
     return out, residual
 
@@ -321,9 +287,7 @@ def _silu_and_mul_kernel(
     stride_x,
     inter,  # I
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -345,7 +309,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(_next_pow2(inter), 1024)
     _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](
         x, out, x.stride(0), inter, BLOCK=block, num_warps=4,
-        **_pdl(x.device),
     )
     return out
 
@@ -385,9 +348,7 @@ def _race_kernel(
     CHUNK: tl.constexpr,  # vocabulary ids per program
     BLOCK_V: tl.constexpr,  # ids per loop step
     GREEDY: tl.constexpr,  # every row has temperature 0: plain argmax, no noise to make
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     # argmax_v softmax(l / T)_v / E_v with E_v ~ Exp(1) draws v from softmax(l / T) (the exponential race);
     # in logs that is argmax_v l_v / T - log(E_v): no softmax, one read of the logits, noise made in
     # registers from (seed, counter, v), so no [S, V] noise tensor ever exists.
@@ -459,7 +420,6 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
         _tickets(logits.device), tokens, vocab, logits.stride(0),
         NUM_CHUNKS=chunks, CHUNKS_PAD=_next_pow2(chunks), CHUNK=RACE_CHUNK, BLOCK_V=RACE_BLOCK_V, GREEDY=greedy,
         num_warps=4,
-        **_pdl(logits.device),
     )
     return tokens
 
@@ -507,9 +467,7 @@ def _moe_route_kernel(
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     RENORM: tl.constexpr,  # divide the k weights by their sum (Qwen3-MoE's norm_topk_prob)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     # One program per token. torch needs five launches for this (float cast, softmax, topk, sum, divide),
     # each a few microseconds at decode, in every MoE layer; here k rounds of max over E values.
     t = tl.program_id(0).to(tl.int64)
@@ -550,7 +508,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     if t:
         _moe_route_kernel[(t,)](logits, weights, ids, NUM_EXPERTS=e, EXPERTS_PAD=_next_pow2(e), TOP_K=top_k,
-                                K_PAD=_next_pow2(top_k), RENORM=renormalize, num_warps=1, **_pdl(logits.device))
+                                K_PAD=_next_pow2(top_k), RENORM=renormalize, num_warps=1)
     return weights, ids
 
 
@@ -593,9 +551,7 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,  # each expert's group is padded to a multiple of this
     BLOCK_A: tl.constexpr,  # assignments (or slots) handled per loop step
     BLOCK_B: tl.constexpr,  # blocks handled per loop step
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     # One program, so tl.debug_barrier (a CTA-wide barrier, which also orders the CTA's global memory
     # accesses) can separate the phases; a second launch would cost more than the whole kernel.
     # Atomics do the counting and slot claiming: the alternative, one-hot [assignments x experts] tiles
@@ -669,7 +625,6 @@ def moe_align(
         BLOCK_A=min(1024, _next_pow2(max_padded)),
         BLOCK_B=min(_next_pow2(num_blocks), max(1, 8192 // experts_pad)),  # owner search tile <= 8K
         num_warps=4,
-        **_pdl(topk_ids.device),
     )
     return sorted_ids, block_expert, num_padded
 
@@ -728,9 +683,7 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # The grid covers the worst-case padded length; blocks past the length this routing uses stop here.
@@ -792,7 +745,6 @@ def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks) -> None:
         out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-        **_pdl(a.device),
     )
 
 
@@ -815,9 +767,7 @@ def _moe_decode_gate_up_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,  # gate (and as many up) rows per program
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     # One row of activations: plain FMAs into one accumulator per loaded weight element, summed over K
     # once after the loop, as linear()'s M = 1 path does (tl.dot would pad the single row to 16).
     a = tl.program_id(0)
@@ -856,9 +806,7 @@ def _moe_decode_down_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,  # output features per program
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     # A program owns BLOCK_N output features of one token and walks that token's top_k experts in order,
     # so the weighted sum over experts happens in registers, in the same order on every run: no atomics,
     # no [A, D] intermediate, no separate sum. The router weight scales the activation row (w * (W @ h)
@@ -945,13 +893,11 @@ def fused_moe_decode(
     _moe_decode_gate_up_kernel[(num_assignments, triton.cdiv(inter, block_n))](
         x, gate_up, ids, act, top_k, inter, d, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **_pdl(x.device),
     )
     block_n, block_k, num_warps = down_blocks
     _moe_decode_down_kernel[(n, triton.cdiv(d, block_n))](
         act, down, ids, router_w, out, top_k, d, inter, down.stride(0), down.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **_pdl(x.device),
     )
     return out
 
@@ -1108,9 +1054,7 @@ def _rope_write_kv_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,  # D // 2
     HAS_NORM: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     # One program per token does every q, k and v head: cos/sin are loaded once and the whole
     # norm + rotate + KV-cache write chain is one launch instead of several per layer.
     t = tl.program_id(0).to(tl.int64)
@@ -1201,7 +1145,6 @@ def rope_write_kv(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         eps, NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_HEADS_PAD=q_pad, KV_HEADS_PAD=kv_pad, HALF=d // 2,
         HAS_NORM=has_norm, num_warps=_elementwise_warps((q_pad + 2 * kv_pad) * d),
-        **_pdl(q.device),
     )
 
 
@@ -1355,9 +1298,7 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,  # every request has one query token, so token b is request b's
     ROPE: tl.constexpr,  # decode_attention: rotate q and the new k here, and write the new k and v
     HAS_NORM: tl.constexpr,  # ... after Qwen3's per-head RMSNorm
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Query tiles in reverse: under the causal mask the last tiles see the most keys, and launching
@@ -1707,7 +1648,6 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         MIN_SPLIT_TILES=min_split_tiles, MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
         DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
         ROPE=rope is not None, HAS_NORM=has_norm, num_warps=warps, num_stages=stages,
-        **_pdl(q.device),
     )
     return out
 
@@ -1785,9 +1725,7 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: see _wait_for_previous_kernel
 ):
-    _wait_for_previous_kernel(PDL)
     # A program owns BLOCK_N output features for BLOCK_M rows: up to LINEAR_DOT_MAX_BLOCK_M rows that is all of
     # them, and the weight is read from memory exactly once; x (a few KB to a few hundred) is read again by
     # every program, from L2. With more rows the programs of one weight tile (one per row block) are
@@ -1914,7 +1852,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         USE_DOT=use_dot,
         DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps, num_stages=3,
-        **_pdl(x.device),
     )
     return out
 

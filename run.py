@@ -115,7 +115,6 @@ def overhead_header(engine: Engine, a, device: str) -> dict:
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests,
                 triton_linear_rows=engine.cfg.triton_linear_rows,
-                pdl=kernels._pdl(torch.device(device))["launch_pdl"],  # NANOENGINE_PDL=0 turns it off
                 prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {a.bandwidth / 1e12:.2f} TB/s")
 

@@ -1127,25 +1127,6 @@ def test_gpu_async_loop_never_syncs_but_for_its_event(monkeypatch):
 
 
 @needs_cuda
-def test_gpu_pdl_changes_no_bits(monkeypatch):
-    """Programmatic dependent launch changes when kernels start, never what they compute: a graphed decode
-    step's logits with and without it are equal bit for bit. A kernel that read its input before the kernel
-    writing it had finished would show up here."""
-    def graphed_logits():
-        engine = nanoengine.Engine(model="tiny", enforce_eager=False, max_num_seqs=16, **GPU)
-        out, batch = _decode_step(engine, mixed_prompts(13, 4096, seed=22, lengths=(5, 40, 17, 300)))
-        with torch.inference_mode():
-            logits = engine.runner.graphs.run(batch).clone()
-        _finish(engine, out, logits)
-        return logits
-    hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert kernels._pdl(torch.device("cuda", torch.cuda.current_device()))["launch_pdl"] == hopper
-    with_pdl = graphed_logits()
-    monkeypatch.setattr(kernels, "_pdl", lambda device: dict(PDL=False, launch_pdl=False))
-    assert torch.equal(with_pdl, graphed_logits())
-
-
-@needs_cuda
 def test_gpu_async_equals_sync_with_graphs():
     prompts = mixed_prompts(24, 4096, seed=20, lengths=(5, 60, 17, 200))
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=12, ignore_eos=True) for i in range(24)]
@@ -1822,29 +1803,6 @@ def test_jit_functions_read_only_constexpr_globals():
         if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
             read = {x.id for x in ast.walk(fn) if isinstance(x, ast.Name)}
             assert not read & plain, f"{fn.name} reads non-constexpr globals {read & plain}: pass them as arguments"
-
-
-def test_every_kernel_waits_for_the_kernel_before_it():
-    """Programmatic dependent launch is only safe if every kernel waits before touching memory: a kernel
-    that skipped the wait could run ahead of the one before, and the kernel after it, waiting only on it,
-    would then read stale data. So every Triton kernel's first statement is the wait, and every launch
-    passes _pdl's options (the wait is compiled in exactly when the launch allows the overlap)."""
-    tree = ast.parse(open(kernels.__file__).read())
-    jitted = [fn for fn in tree.body if isinstance(fn, ast.FunctionDef) and fn.name.endswith("_kernel")
-              and any("jit" in ast.unparse(d) for d in fn.decorator_list) and fn.name != "_wait_for_previous_kernel"]
-    assert len(jitted) >= 12
-    for fn in jitted:
-        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
-            else fn.body
-        assert ast.unparse(body[0]) == "_wait_for_previous_kernel(PDL)", fn.name
-        assert "PDL" in [a.arg for a in fn.args.args], fn.name
-    launches = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)
-                and ast.unparse(c.func.value).endswith("_kernel")]
-    assert {ast.unparse(c.func.value) for c in launches} == {fn.name for fn in jitted}
-    for c in launches:
-        assert any(k.arg is None and ast.unparse(k.value).startswith("_pdl(") for k in c.keywords), \
-            ast.unparse(c.func.value)
-    assert kernels._pdl(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)
 
 
 def test_kernel_linear_default_blocks_small_n():
