@@ -222,10 +222,19 @@ def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
         ops["linear"] = partial(kernels.linear, max_rows=triton_linear_rows)
         # The MLP's down projection of silu(gate) * up: the Triton linear makes its input as it loads it.
         ops["silu_mul_linear"] = partial(kernels.linear, max_rows=triton_linear_rows, silu_mul=True)
+        # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input.
+        ops["add_rmsnorm_linear"] = partial(kernels.add_rmsnorm_linear, max_rows=triton_linear_rows)
     else:
-        silu_and_mul = ops["silu_and_mul"]
+        silu_and_mul, rmsnorm, add_rmsnorm = ops["silu_and_mul"], ops["rmsnorm"], ops["add_rmsnorm"]
         ops["linear"] = F.linear
         ops["silu_mul_linear"] = lambda x, weight, bias=None: F.linear(silu_and_mul(x), weight, bias)
+
+        def add_rmsnorm_linear(x, residual, norm_weight, eps, weight, bias=None):  # the same, in two steps
+            if residual is None:
+                return F.linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+            h, residual = add_rmsnorm(x, residual, norm_weight, eps)
+            return F.linear(h, weight, bias), residual
+        ops["add_rmsnorm_linear"] = add_rmsnorm_linear
     return SimpleNamespace(**ops)
 
 
@@ -281,11 +290,11 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, batch, k_cache, v_cache, cos_sin, ops):
-        T, H, Hkv, D = x.shape[0], self.H, self.Hkv, self.D
-        if hasattr(self, "qkv_proj"):
-            q, k, v = linear(ops, self.qkv_proj, x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # views of (T, (H+2Hkv) D)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        """Unfused: three matmuls. Fused, DecoderLayer makes q, k and v in one (with the norm before it)."""
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), batch, k_cache, v_cache, cos_sin, ops)
+
+    def attend(self, q, k, v, batch, k_cache, v_cache, cos_sin, ops):
+        T, H, Hkv, D = q.shape[0], self.H, self.Hkv, self.D
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         qn = self.q_norm.weight if hasattr(self, "q_norm") else None
         kn = self.k_norm.weight if hasattr(self, "k_norm") else None
@@ -316,9 +325,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x, ops):
-        if hasattr(self, "gate_up_proj"):
-            gate_up = linear(ops, self.gate_up_proj, x)  # hidden -> 2I
-            return ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)  # silu * up -> hidden
+        """Unfused (and a MoE's experts). Fused, DecoderLayer runs gate/up (with the norm before it) and down."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -363,10 +370,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
 
     def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
-        x, residual = add_norm(x, residual, self.input_layernorm.weight, self.eps, ops)
-        x = self.self_attn(x, batch, k_cache, v_cache, cos_sin, ops)
-        x, residual = add_norm(x, residual, self.post_attention_layernorm.weight, self.eps, ops)
-        return self.mlp(x, ops), residual
+        attn, mlp, eps = self.self_attn, self.mlp, self.eps
+        if hasattr(attn, "qkv_proj"):
+            # Fused: residual += x and the RMSNorm happen as the q/k/v matmul loads its input (one kernel,
+            # where the Triton linear takes the batch; else add_rmsnorm and the matmul).
+            qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps,
+                                                   attn.qkv_proj.weight, attn.qkv_proj.bias)
+            H, Hkv, D = attn.H, attn.Hkv, attn.D
+            x = attn.attend(*qkv.split([H * D, Hkv * D, Hkv * D], dim=-1), batch, k_cache, v_cache, cos_sin, ops)
+        else:
+            x, residual = add_norm(x, residual, self.input_layernorm.weight, eps, ops)
+            x = attn(x, batch, k_cache, v_cache, cos_sin, ops)
+        if hasattr(mlp, "gate_up_proj"):  # fused dense MLP: the same for gate/up, then silu * up -> down
+            gate_up, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
+                                                       mlp.gate_up_proj.weight)
+            return ops.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        x, residual = add_norm(x, residual, self.post_attention_layernorm.weight, eps, ops)
+        return mlp(x, ops), residual  # a MoE block reads the normed x twice (router, experts): no fusing
 
 
 def add_norm(x, residual, weight, eps, ops):

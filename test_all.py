@@ -1805,6 +1805,41 @@ def test_jit_functions_read_only_constexpr_globals():
             assert not read & plain, f"{fn.name} reads non-constexpr globals {read & plain}: pass them as arguments"
 
 
+# add_rmsnorm_linear: the pre-norm add and RMSNorm inside the matmul after them. 40 rows: two row blocks of
+# 32, so the second block's programs read the residual but must not write it; three column blocks or more.
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("first_layer", [False, True])
+def test_kernel_add_rmsnorm_linear_matches_ref(monkeypatch, m, first_layer):
+    monkeypatch.setattr(kernels, "LINEAR_DOT_MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
+    _poison_empty(monkeypatch)
+    k, n = 600, 70
+    x, w, bias = _randn(m, k, seed=50), _randn(n, k, seed=51) * k**-0.5, _randn(n, seed=52)
+    g = 1 + 0.1 * _randn(k, seed=53)
+    residual = None if first_layer else _randn(m, k, seed=54)
+    kept = None if first_layer else residual.clone()
+    out, new_residual = kernels.add_rmsnorm_linear(x, residual, g, 1e-6, w, bias)
+    ref_out, ref_residual = kernels.add_rmsnorm_linear_ref(x, None if first_layer else kept.clone(), g, 1e-6, w,
+                                                          bias)
+    assert torch.equal(new_residual, ref_residual), "the residual stream, rounded as add_rmsnorm rounds it"
+    assert first_layer or torch.equal(residual, kept), "the kernel leaves its input residual alone"
+    torch.testing.assert_close(out, ref_out, **LINEAR_TOL)
+    # above max_rows: add_rmsnorm (in place) and then the plain path
+    out2, residual2 = kernels.add_rmsnorm_linear(x, None if first_layer else kept.clone(), g, 1e-6, w, bias,
+                                                 max_rows=0)
+    torch.testing.assert_close(out2, ref_out, **LINEAR_TOL)
+    assert torch.equal(residual2, ref_residual)
+
+
+def test_kernel_add_rmsnorm_linear_bad_input():
+    x, w, g = _randn(2, 64, seed=59), _randn(8, 64, seed=60), torch.ones(64)
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        kernels.add_rmsnorm_linear(x, _randn(3, 64, seed=61), g, 1e-6, w)
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \(64,\)"):
+        kernels.add_rmsnorm_linear(x, None, torch.ones(32), 1e-6, w)
+
+
 def test_kernel_linear_default_blocks_small_n():
     # Unpatched sizes: N = 70 at M = 1 gets BLOCK_N 1 (70 programs), the path a short matrix takes.
     x, w, bias = _randn(1, 200, seed=4), _randn(70, 200, seed=5), _randn(70, seed=6)
@@ -1959,6 +1994,21 @@ def test_kernel_gpu_linear_silu_mul_bf16(m):
     out = kernels.linear(x, w, silu_mul=True)
     assert torch.equal(out, kernels.linear(kernels.silu_and_mul(x), w)), "same bits as the two kernels"
     torch.testing.assert_close(out, F.linear(kernels.silu_and_mul_ref(x), w), **BF16_LINEAR_TOL)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("name", ["qwen3_0.6b_qkv", "qwen3_0.6b_gate_up", "qwen3_0.6b_lm_head"])
+def test_kernel_gpu_add_rmsnorm_linear_bf16(name, m):
+    k, n = SHAPES[name]
+    x = _randn(m, k, seed=55, device="cuda", dtype=torch.bfloat16)
+    residual = _randn(m, k, seed=56, device="cuda", dtype=torch.bfloat16) * 4
+    g = (1 + 0.1 * _randn(k, seed=57, device="cuda")).to(torch.bfloat16)
+    w = (_randn(n, k, seed=58, device="cuda") * k**-0.5).to(torch.bfloat16)
+    out, new_residual = kernels.add_rmsnorm_linear(x, residual, g, 1e-6, w)
+    ref_out, ref_residual = kernels.add_rmsnorm_linear_ref(x, residual.clone(), g, 1e-6, w)
+    assert torch.equal(new_residual, ref_residual)
+    torch.testing.assert_close(out, ref_out, **BF16_LINEAR_TOL)
 
 
 @needs_cuda
