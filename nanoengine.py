@@ -222,7 +222,7 @@ def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
         ops["linear"] = partial(kernels.linear, max_rows=triton_linear_rows)
         # The MLP's down projection of silu(gate) * up: the Triton linear makes its input as it loads it.
         ops["silu_mul_linear"] = partial(kernels.linear, max_rows=triton_linear_rows, silu_mul=True)
-        # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input.
+        # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input (one row).
         ops["add_rmsnorm_linear"] = partial(kernels.add_rmsnorm_linear, max_rows=triton_linear_rows)
     else:
         silu_and_mul, rmsnorm, add_rmsnorm = ops["silu_and_mul"], ops["rmsnorm"], ops["add_rmsnorm"]
@@ -372,8 +372,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
         if hasattr(attn, "qkv_proj"):
-            # Fused: residual += x and the RMSNorm happen as the q/k/v matmul loads its input (one kernel,
-            # where the Triton linear takes the batch; else add_rmsnorm and the matmul).
+            # Fused: residual += x and the RMSNorm happen as the q/k/v matmul loads its input (one kernel at
+            # one row; else add_rmsnorm, then the matmul).
             qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps,
                                                    attn.qkv_proj.weight, attn.qkv_proj.bias)
             H, Hkv, D = attn.H, attn.Hkv, attn.D

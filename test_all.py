@@ -1805,9 +1805,9 @@ def test_jit_functions_read_only_constexpr_globals():
             assert not read & plain, f"{fn.name} reads non-constexpr globals {read & plain}: pass them as arguments"
 
 
-# add_rmsnorm_linear: the pre-norm add and RMSNorm inside the matmul after them. 40 rows: two row blocks of
-# 32, so the second block's programs read the residual but must not write it; three column blocks or more.
-@pytest.mark.parametrize("m", [1, 3, 40])
+# add_rmsnorm_linear: the pre-norm add and RMSNorm inside the matmul after them, at one row (several
+# programs, program 0 writing the residual); more rows take add_rmsnorm and linear.
+@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("first_layer", [False, True])
 def test_kernel_add_rmsnorm_linear_matches_ref(monkeypatch, m, first_layer):
     monkeypatch.setattr(kernels, "LINEAR_DOT_MIN_PROGRAMS", 2)
@@ -1823,7 +1823,7 @@ def test_kernel_add_rmsnorm_linear_matches_ref(monkeypatch, m, first_layer):
     ref_out, ref_residual = kernels.add_rmsnorm_linear_ref(x, None if first_layer else kept.clone(), g, 1e-6, w,
                                                           bias)
     assert torch.equal(new_residual, ref_residual), "the residual stream, rounded as add_rmsnorm rounds it"
-    assert first_layer or torch.equal(residual, kept), "the kernel leaves its input residual alone"
+    assert first_layer or m > 1 or torch.equal(residual, kept), "the kernel leaves its input residual alone"
     torch.testing.assert_close(out, ref_out, **LINEAR_TOL)
     # above max_rows: add_rmsnorm (in place) and then the plain path
     out2, residual2 = kernels.add_rmsnorm_linear(x, None if first_layer else kept.clone(), g, 1e-6, w, bias,
@@ -1997,8 +1997,8 @@ def test_kernel_gpu_linear_silu_mul_bf16(m):
 
 
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("name", ["qwen3_0.6b_qkv", "qwen3_0.6b_gate_up", "qwen3_0.6b_lm_head"])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("name", ["qwen3_0.6b_qkv", "qwen3_0.6b_gate_up", "llama3_8b_qkv"])
 def test_kernel_gpu_add_rmsnorm_linear_bf16(name, m):
     k, n = SHAPES[name]
     x = _randn(m, k, seed=55, device="cuda", dtype=torch.bfloat16)
