@@ -92,6 +92,9 @@ LINEAR_TILE_BYTES = 16384
 # ... and on the one-row path, rows that split into whole steps of this many elements take it as the
 # K step (see _linear_blocks).
 LINEAR_LONG_K = 2048
+# add_rmsnorm_linear makes the normed row inside the one-row matmul only in tiles of this many weight
+# rows or more (see there).
+LINEAR_NORM_MIN_BLOCK_N = 16
 # Stands in for -inf as the running max: exp2(m_old - m_new) stays finite (no inf - inf = NaN) even for
 # query rows that see no key at all (padding requests with seq_len 0). A constexpr so kernels may read it.
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -1881,12 +1884,13 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
                        weight: torch.Tensor, bias: torch.Tensor | None = None,
                        max_rows: int = LINEAR_MAX_M) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rmsnorm(x + residual) * norm_weight, weight, bias), x + residual): a pre-norm layer's
-    add_rmsnorm and the matmul after it, in one kernel for one row (max_rows >= 1), as add_rmsnorm and
-    linear otherwise. residual None (the first layer): rmsnorm(x), and x is the residual. Read the returned
-    residual: above one row the input one is overwritten with the sum (add_rmsnorm, in place), in the kernel
-    it is not (all programs read it while program 0 writes the sum, to a new tensor).
-    Only one row: on the tl.dot path every program makes the whole normed input in registers on its way to
-    the MMA, and an H200 step at 16 requests took 1.49 ms that way against 1.14 with add_rmsnorm apart."""
+    add_rmsnorm and the matmul after it, in one kernel for one row (max_rows >= 1) in tiles of at least
+    LINEAR_NORM_MIN_BLOCK_N weight rows, as add_rmsnorm and linear otherwise. residual None (the first
+    layer): rmsnorm(x), and x is the residual. Read the returned residual: add_rmsnorm overwrites the input
+    one with the sum, the kernel does not (all programs read it while program 0 writes the sum, to a new
+    tensor). Only one row: on the tl.dot path every program makes the whole normed input in registers on
+    its way to the MMA, and an H200 step at 16 requests took 1.49 ms that way against 1.14 with add_rmsnorm
+    apart (at one row, Qwen3-0.6B: 0.776 against 0.841)."""
     _check_linear_args(x, weight, bias, False)
     k = x.shape[-1]
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
@@ -1895,19 +1899,21 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight must have shape ({k},) to match x's last dim, got {tuple(norm_weight.shape)}")
     x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if m != 1 or max_rows < 1:
+    m, n = x2.shape[0], weight.shape[0]
+    block_m, block_n, block_k, use_dot, num_warps = _linear_blocks(m, n, k, x.element_size())
+    # Every program re-reads x, the residual and the norm weight (3 rows of K) beside its BLOCK_N weight
+    # rows: 19% more bytes (from L2) at Qwen3-0.6B's 16-row tiles, 75% at the 4-row tiles of long rows,
+    # where an H200 step got slower with it (Llama-3.2-1B 0.971 against 0.915 ms, Llama-3-8B 4.41 against
+    # 4.10), so those keep add_rmsnorm apart.
+    if m != 1 or max_rows < 1 or block_n < LINEAR_NORM_MIN_BLOCK_N:
         if residual is None:
             h, residual = rmsnorm(x, norm_weight, eps), x
         else:
             h, residual = add_rmsnorm(x, residual, norm_weight, eps)
         return linear(h, weight, bias, max_rows), residual
-    n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, use_dot, num_warps = _linear_blocks(m, n, k, x.element_size())
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    _linear_kernel[(programs,)](
+    _linear_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, weight if bias is None else bias, out, x2 if residual is None else residual, new_residual,
         norm_weight, m, n, k, x2.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_MUL=False, NORM=True, ADD=residual is not None,

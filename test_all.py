@@ -1832,6 +1832,19 @@ def test_kernel_add_rmsnorm_linear_matches_ref(monkeypatch, m, first_layer):
     assert torch.equal(residual2, ref_residual)
 
 
+def test_kernel_add_rmsnorm_linear_keeps_the_norm_apart_on_long_rows():
+    """K = 2048 takes the one-row kernel's 4-row tiles, where re-reading the row in every program costs more
+    than the launch it saves: add_rmsnorm (in place) and the plain kernel, same results."""
+    k, n = kernels.LINEAR_LONG_K, 8
+    x, w, g = _randn(1, k, seed=62), _randn(n, k, seed=63) * k**-0.5, 1 + 0.1 * _randn(k, seed=64)
+    residual = _randn(1, k, seed=65)
+    assert kernels._linear_blocks(1, n, k, 4)[1] < kernels.LINEAR_NORM_MIN_BLOCK_N
+    ref_out, ref_residual = kernels.add_rmsnorm_linear_ref(x, residual.clone(), g, 1e-6, w)
+    out, new_residual = kernels.add_rmsnorm_linear(x, residual, g, 1e-6, w)
+    assert new_residual is residual and torch.equal(residual, ref_residual)  # add_rmsnorm's in-place sum
+    torch.testing.assert_close(out, ref_out, **LINEAR_TOL)
+
+
 def test_kernel_add_rmsnorm_linear_bad_input():
     x, w, g = _randn(2, 64, seed=59), _randn(8, 64, seed=60), torch.ones(64)
     with pytest.raises(ValueError, match="residual must be contiguous"):
@@ -2005,8 +2018,8 @@ def test_kernel_gpu_add_rmsnorm_linear_bf16(name, m):
     residual = _randn(m, k, seed=56, device="cuda", dtype=torch.bfloat16) * 4
     g = (1 + 0.1 * _randn(k, seed=57, device="cuda")).to(torch.bfloat16)
     w = (_randn(n, k, seed=58, device="cuda") * k**-0.5).to(torch.bfloat16)
-    out, new_residual = kernels.add_rmsnorm_linear(x, residual, g, 1e-6, w)
     ref_out, ref_residual = kernels.add_rmsnorm_linear_ref(x, residual.clone(), g, 1e-6, w)
+    out, new_residual = kernels.add_rmsnorm_linear(x, residual, g, 1e-6, w)  # may overwrite residual
     assert torch.equal(new_residual, ref_residual)
     torch.testing.assert_close(out, ref_out, **BF16_LINEAR_TOL)
 
