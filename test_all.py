@@ -739,6 +739,19 @@ def _finish(engine, out, logits):
     check_clean(engine)
 
 
+def test_no_weight_requires_grad_and_the_step_records_nothing():
+    """Steps run outside torch.inference_mode (ModelRunner.execute says why): that is free of autograd only
+    because no weight requires grad, also after fuse() made new Parameters."""
+    engine = Engine(model="tiny-moe")
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    model = Engine(model="tiny", fuse=False).model
+    assert not any(p.requires_grad for p in model.fuse(kernels=True).parameters())
+    out, batch = _decode_step(engine, mixed_prompts(3, 4096, seed=23))
+    hidden = engine.model(batch, engine.runner.kv_cache)
+    assert hidden.grad_fn is None and not hidden.requires_grad and not torch.is_inference_mode_enabled()
+    _finish(engine, out, engine.model.compute_logits(hidden))
+
+
 def test_graph_runner_equals_plain_forward_for_every_batch_size():
     engine = Engine(model="tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8), max_num_seqs=12)
     g = engine.runner.graphs
