@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch.nn.functional as F
 
+import graphs
 import kernels
 import nanoengine
 import scheduler
@@ -750,6 +751,26 @@ def test_no_weight_requires_grad_and_the_step_records_nothing():
     hidden = engine.model(batch, engine.runner.kv_cache)
     assert hidden.grad_fn is None and not hidden.requires_grad and not torch.is_inference_mode_enabled()
     _finish(engine, out, engine.model.compute_logits(hidden))
+
+
+def test_steps_outside_inference_mode_never_write_graph_outputs(monkeypatch):
+    """A captured graph's outputs are inference tensors (capture runs under inference_mode), and steps run
+    outside it, where writing to one in place raises. Made so here, the graph runner's logits go through
+    greedy, temperature, top-k / top-p and async sampling, sync and async, without such a write."""
+    real_forward = graphs.GraphRunner.forward
+
+    def forward_as_captured(self, b):
+        with torch.inference_mode():
+            return real_forward(self, b)
+    monkeypatch.setattr(graphs.GraphRunner, "forward", forward_as_captured)
+    prompts = mixed_prompts(3, 4096, seed=24, lengths=(5, 20, 3))
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=8), greedy(8),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=2, max_tokens=8)]
+    for async_scheduling in (False, True):
+        llm = LLM("tiny", enforce_eager=False, async_scheduling=async_scheduling, max_num_seqs=8)
+        assert llm.engine.runner.graphs is not None
+        assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [8, 8, 8]
+    assert not torch.is_inference_mode_enabled()
 
 
 def test_graph_runner_equals_plain_forward_for_every_batch_size():
