@@ -538,9 +538,10 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     if cfg.triton_linear_rows is None:
         # On CUDA the Triton matmul takes one row on every model: it streams a decode matrix faster than
         # cuBLAS (Qwen3-0.6B's matmuls 554 against 962 us a step, H200). Up to LINEAR_MAX_M rows only on
-        # small models: at Qwen3-0.6B's shapes it matches cuBLAS (759 against 780 us at 16 rows) with one
-        # kernel less per layer (cuBLAS splits K for the o matmul and adds a reduction), so a step at 4 /
-        # 16 requests took 1.134 / 1.190 ms against 1.220 / 1.228; at Llama-3-8B's cuBLAS is 9% faster.
+        # small models: at Qwen3-0.6B's shapes it beats cuBLAS (a step's matmuls 638 against 774 us at 16
+        # rows) with one kernel less per layer (cuBLAS splits K for the o matmul and adds a reduction); at
+        # 64 rows the two are level (761 against 793 us), and the engine's step was not faster (1.370
+        # against 1.354 ms); at Llama-3-8B's shapes cuBLAS is 4-8% faster from 4 rows.
         cfg.triton_linear_rows = 16 if mcfg.hidden_size <= 1024 else 1
     if cfg.fuse:
         model.fuse(kernels=True, triton=cfg.triton, triton_linear_rows=cfg.triton_linear_rows)
