@@ -1893,9 +1893,10 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     apart (at one row, Qwen3-0.6B: 0.776 against 0.841)."""
     _check_linear_args(x, weight, bias, False)
     k = x.shape[-1]
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
-        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)}, "
-                         f"got shape {tuple(residual.shape)} strides {tuple(residual.stride())}")
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                         f"shape {tuple(residual.shape)} strides {tuple(residual.stride())} dtype {residual.dtype}")
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight must have shape ({k},) to match x's last dim, got {tuple(norm_weight.shape)}")
     x2 = x.reshape(-1, k)

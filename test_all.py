@@ -1883,6 +1883,8 @@ def test_kernel_add_rmsnorm_linear_bad_input():
     x, w, g = _randn(2, 64, seed=59), _randn(8, 64, seed=60), torch.ones(64)
     with pytest.raises(ValueError, match="residual must be contiguous"):
         kernels.add_rmsnorm_linear(x, _randn(3, 64, seed=61), g, 1e-6, w)
+    with pytest.raises(ValueError, match="residual must be contiguous .* dtype torch.float32, got .* torch.float64"):
+        kernels.add_rmsnorm_linear(x, x.double(), g, 1e-6, w)
     with pytest.raises(ValueError, match=r"norm_weight must have shape \(64,\)"):
         kernels.add_rmsnorm_linear(x, None, torch.ones(32), 1e-6, w)
 
