@@ -1868,16 +1868,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, use_dot, num_warps = _linear_blocks(m, n, k, x.element_size())
-    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    _linear_kernel[(programs,)](
-        x2, weight, weight if bias is None else bias, out, x2, x2, x2, m, n, k, x2.stride(0), 0.0,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=False, ADD=False,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_DOT=use_dot,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps, num_stages=3,
-    )
+    _launch_linear(x2, weight, bias, out, _linear_blocks(m, n, k, x.element_size()), silu_mul=silu_mul)
     return out
+
+
+def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None, new_residual=None,
+                   norm_weight=None, eps=0.0):
+    """_linear_kernel over x2 [M, K]; with norm_weight, the input is its add + RMSNorm (see
+    add_rmsnorm_linear). Unused pointers get x2, which the kernel then never reads."""
+    m, (n, k) = x2.shape[0], weight.shape  # K from the weight: with silu_mul x2 is [M, 2K]
+    block_m, block_n, block_k, use_dot, num_warps = blocks
+    _linear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
+        x2, weight, weight if bias is None else bias, out, x2 if residual is None else residual,
+        x2 if new_residual is None else new_residual, x2 if norm_weight is None else norm_weight,
+        m, n, k, x2.stride(0), eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        DOT_PRECISION=_dot_precision(x2.dtype), num_warps=num_warps, num_stages=3,
+    )
 
 
 def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -1900,28 +1908,23 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight must have shape ({k},) to match x's last dim, got {tuple(norm_weight.shape)}")
     x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], weight.shape[0]
-    block_m, block_n, block_k, use_dot, num_warps = _linear_blocks(m, n, k, x.element_size())
+    n = weight.shape[0]
     # Every program re-reads x, the residual and the norm weight (3 rows of K) beside its BLOCK_N weight
     # rows: 19% more bytes (from L2) at Qwen3-0.6B's 16-row tiles, 75% at the 4-row tiles of long rows,
     # where an H200 step got slower with it (Llama-3.2-1B 0.971 against 0.915 ms, Llama-3-8B 4.41 against
     # 4.10), so those keep add_rmsnorm apart.
-    if m != 1 or max_rows < 1 or block_n < LINEAR_NORM_MIN_BLOCK_N:
+    blocks = _linear_blocks(1, n, k, x.element_size()) if x2.shape[0] == 1 and max_rows >= 1 else None
+    if blocks is None or blocks[1] < LINEAR_NORM_MIN_BLOCK_N:
         if residual is None:
             h, residual = rmsnorm(x, norm_weight, eps), x
         else:
             h, residual = add_rmsnorm(x, residual, norm_weight, eps)
         return linear(h, weight, bias, max_rows), residual
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _linear_kernel[(triton.cdiv(n, block_n),)](
-        x2, weight, weight if bias is None else bias, out, x2 if residual is None else residual, new_residual,
-        norm_weight, m, n, k, x2.stride(0), eps,
-        HAS_BIAS=bias is not None, SILU_MUL=False, NORM=True, ADD=residual is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=num_warps, num_stages=3,
-    )
-    return out, new_residual
+    new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_linear(x2, weight, bias, out, blocks, residual=residual, new_residual=new_residual,
+                   norm_weight=norm_weight, eps=eps)
+    return out, x if residual is None else new_residual
 
 
 def add_rmsnorm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -222,19 +222,14 @@ def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
         ops["linear"] = partial(kernels.linear, max_rows=triton_linear_rows)
         # The MLP's down projection of silu(gate) * up: the Triton linear makes its input as it loads it.
         ops["silu_mul_linear"] = partial(kernels.linear, max_rows=triton_linear_rows, silu_mul=True)
-        # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input (one row).
-        ops["add_rmsnorm_linear"] = partial(kernels.add_rmsnorm_linear, max_rows=triton_linear_rows)
     else:
-        silu_and_mul, rmsnorm, add_rmsnorm = ops["silu_and_mul"], ops["rmsnorm"], ops["add_rmsnorm"]
+        silu_and_mul = ops["silu_and_mul"]
         ops["linear"] = F.linear
         ops["silu_mul_linear"] = lambda x, weight, bias=None: F.linear(silu_and_mul(x), weight, bias)
-
-        def add_rmsnorm_linear(x, residual, norm_weight, eps, weight, bias=None):  # the same, in two steps
-            if residual is None:
-                return F.linear(rmsnorm(x, norm_weight, eps), weight, bias), x
-            h, residual = add_rmsnorm(x, residual, norm_weight, eps)
-            return F.linear(h, weight, bias), residual
-        ops["add_rmsnorm_linear"] = add_rmsnorm_linear
+    # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input (one row); with
+    # no Triton rows, add_rmsnorm and F.linear (the reference: add_rmsnorm_ref and F.linear).
+    ops["add_rmsnorm_linear"] = (partial(kernels.add_rmsnorm_linear, max_rows=triton_linear_rows) if triton
+                                 else kernels.add_rmsnorm_linear_ref)
     return SimpleNamespace(**ops)
 
 
