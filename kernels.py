@@ -1233,7 +1233,8 @@ def _attend_tiles(
     v_cache_ptr,
     block_table_row_ptr,  # this request's row of the block table
     kv_head_off,  # first kv head * stride_cache_head
-    row_head,  # [BLOCK_M] each row's kv head among the packed ones (SHIFT > 0 only)
+    row_head,  # [BLOCK_M] each row's kv head among the packed ones (PACK only)
+    shift,  # log2 of the kv heads this program packs: 0 for one
     stride_cache_head,
     stride_cache_block,
     stride_cache_tok,
@@ -1244,28 +1245,28 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # columns of a key tile: BLOCK_N >> SHIFT keys x 2^SHIFT kv heads
-    SHIFT: tl.constexpr,  # log2 of the kv heads packed; a constexpr, so loads stay contiguous runs
+    BLOCK_N: tl.constexpr,  # columns of a key tile: BLOCK_N >> shift keys x 2^shift kv heads
+    PACK: tl.constexpr,  # shift may be > 0
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles; returns the running (max, sum, unnormalised output)."""
     dims = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
-        # Column c is key c >> SHIFT of the tile in packed kv head c & (2^SHIFT - 1): a key's packed
-        # heads are adjacent in the cache, so the tile is read in runs of 2^SHIFT * HEAD_DIM elements.
-        keys = tile * (BLOCK_N >> SHIFT) + (cols >> SHIFT)
+        # Column c is key c >> shift of the tile in packed kv head c & (2^shift - 1): a key's packed
+        # heads are adjacent in the cache, so the tile is read in runs of 2^shift * HEAD_DIM elements.
+        keys = tile * (BLOCK_N >> shift) + (cols >> shift)
         key_ok = keys < kv_end
         # A tile spans several pages: look up each key's page, so any page size works.
         page = tl.load(block_table_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv_offs = page * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok + kv_head_off
-        if SHIFT > 0:
-            col_head = cols & ((1 << SHIFT) - 1)
+        if PACK:
+            col_head = cols & ((1 << shift) - 1)
             kv_offs += col_head * stride_cache_head
         k = tl.load(k_cache_ptr + kv_offs[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        if SHIFT > 0:  # a row scores only its own head's keys; the others' p is 0, so P @ V stays per head
+        if PACK:  # a row scores only its own head's keys; the others' p is 0, so P @ V stays per head
             visible = visible & (col_head[None, :] == row_head[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -1439,21 +1440,11 @@ def _paged_attention_kernel(
         tile_lo = 0
         tile_hi = num_tiles
     q_pos = seq_len - q_len + q_idx
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    # Two copies of the key walk: with the packing a constexpr, each compiles to contiguous loads (a shift
-    # known only at run time made every load a gather: 184 against 158 us at 256 x 100-1024 keys).
-    if shift > 0:  # a constexpr False without PACK_SHIFT: one copy compiled
-        m, l, acc = _attend_tiles(
-            q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head * stride_cache_head, row_head,
-            stride_cache_head, stride_cache_block, stride_cache_tok, kv_end, tile_lo, tile_hi, qk_scale,
-            HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, PACK_SHIFT, DOT_PRECISION,
-        )
-    else:
-        m, l, acc = _attend_tiles(
-            q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head * stride_cache_head, row_head,
-            stride_cache_head, stride_cache_block, stride_cache_tok, kv_end, tile_lo, tile_hi, qk_scale,
-            HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, 0, DOT_PRECISION,
-        )
+    m, l, acc = _attend_tiles(
+        q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
+        kv_head * stride_cache_head, row_head, shift, stride_cache_head, stride_cache_block, stride_cache_tok,
+        kv_end, tile_lo, tile_hi, qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, PACK_SHIFT > 0, DOT_PRECISION,
+    )
     row = token * NUM_HEADS + head  # [BLOCK_M] (token, head) row of out
     if SPLIT:
         if splits_used > 1:
