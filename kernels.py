@@ -16,7 +16,6 @@ This file imports nothing from the rest of nanoengine. Tests: the kernel section
 """
 
 import functools
-import math
 
 import torch
 import triton
@@ -45,21 +44,6 @@ MOE_DECODE_MAX_TOKENS = 4
 MOE_DECODE_GATE_UP_BLOCKS = (8, 128, 8)
 # Paged attention: keys per tile (a tile spans several paged blocks, gathered token by token).
 ATTN_BLOCK_N = 64
-# Decode attention over short contexts: kv heads per program. With one program per (request, kv head)
-# each program of a short context is a chain of dependent loads (length, block table, K, V) and little
-# else, and a big batch waits on those round trips wave after wave. A program that takes several kv
-# heads of its request loads their keys side by side (a token's kv heads are adjacent in the cache) as
-# one tile, and masks each query row to its own head's columns. Heads are packed until the grid is down
-# to about this many programs (2 per SM of an H200): Qwen3-0.6B, 33-64-key contexts, H200 sweep, the
-# attention of a layer: 64 requests 2 heads a program 7.4 against 8.1 us, 128: 4, 10.5 against 13.2,
-# 256: 8, 19.6 against 25.2 ...
-ATTN_PACK_PROGRAMS = 256
-# ... but only for contexts up to this many keys, decided in the kernel for each request: every masked
-# column still costs its share of the tile's exp2 and dot, so at 256 requests x 100-1024 keys, 4 heads a
-# program took 189 against 151 us. Those requests run one kv head per program in the same launch.
-ATTN_PACK_MAX_CONTEXT = 128
-# ... and packing launches take key tiles of 128 columns in 3 stages (best packed or not at 256 requests).
-ATTN_PACK_BLOCK_N = 128
 # Paged attention: query rows (query tokens x heads of one kv group) per program at prefill.
 ATTN_PREFILL_BLOCK_M = 64
 # Split-KV: aim for this many programs per SM so decode at small batch still fills the GPU; a decode
@@ -1232,10 +1216,7 @@ def _attend_tiles(
     k_cache_ptr,
     v_cache_ptr,
     block_table_row_ptr,  # this request's row of the block table
-    kv_head_off,  # first kv head * stride_cache_head
-    row_head,  # [BLOCK_M] each row's kv head among the packed ones (PACK only)
-    shift,  # log2 of the kv heads this program packs: 0 for one
-    stride_cache_head,
+    kv_head_off,  # kv head * stride_cache_head
     stride_cache_block,
     stride_cache_tok,
     kv_end,  # keys [0, kv_end) may be visible to some row of this tile
@@ -1245,30 +1226,20 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # columns of a key tile: BLOCK_N >> shift keys x 2^shift kv heads
-    PACK: tl.constexpr,  # shift may be > 0
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles; returns the running (max, sum, unnormalised output)."""
     dims = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
-        # Column c is key c >> shift of the tile in packed kv head c & (2^shift - 1): a key's packed
-        # heads are adjacent in the cache, so the tile is read in runs of 2^shift * HEAD_DIM elements.
-        keys = tile * (BLOCK_N >> shift) + (cols >> shift)
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         # A tile spans several pages: look up each key's page, so any page size works.
         page = tl.load(block_table_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv_offs = page * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok + kv_head_off
-        if PACK:
-            col_head = cols & ((1 << shift) - 1)
-            kv_offs += col_head * stride_cache_head
         k = tl.load(k_cache_ptr + kv_offs[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        if PACK:  # a row scores only its own head's keys; the others' p is 0, so P @ V stays per head
-            visible = visible & (col_head[None, :] == row_head[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where((keys[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -1320,11 +1291,9 @@ def _paged_attention_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows, or 16
-    BLOCK_M: tl.constexpr,  # (decode with PACK: at least 2^PACK_SHIFT * GROUP_PAD)
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PACK_SHIFT: tl.constexpr,  # decode: a short context's program takes 2^PACK_SHIFT kv heads (0: never)
-    PACK_MAX_CONTEXT: tl.constexpr,  # ... if its context has at most this many keys
     SPLIT: tl.constexpr,  # num_splits > 1 (a run-time count, so every count shares one compiled kernel)
     MIN_SPLIT_TILES: tl.constexpr,  # key tiles a split covers at least
     MERGE_FAN_IN: tl.constexpr,  # splits merged per group (the first level of the merge tree)
@@ -1334,7 +1303,7 @@ def _paged_attention_kernel(
     HAS_NORM: tl.constexpr,  # ... after Qwen3's per-head RMSNorm
 ):
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)  # the first of this program's kv heads
+    kv_head = tl.program_id(1)
     # Query tiles in reverse: under the causal mask the last tiles see the most keys, and launching
     # them first keeps them from running alone at the end of a prefill.
     if SPLIT:
@@ -1358,16 +1327,9 @@ def _paged_attention_kernel(
         # The grid is sized for the longest query; tiles past this request's tokens have nothing to do.
         if q_tile * BLOCK_Q >= q_len:
             return
-    shift = 0
-    if PACK_SHIFT > 0:  # decode: over a short context, the first program of 2^PACK_SHIFT kv heads takes them all
-        shift = tl.where(seq_len <= PACK_MAX_CONTEXT, PACK_SHIFT, 0)
-        if (kv_head & ((1 << shift) - 1)) != 0:
-            return
     rows = tl.arange(0, BLOCK_M)
-    # Row r is query head r % GROUP_PAD of kv head kv_head + row_head (of the 2^shift packed) of token q_idx.
-    q_idx = q_tile * BLOCK_Q + ((rows // GROUP_PAD) >> shift)  # [BLOCK_M] query token within the request
-    row_head = (rows // GROUP_PAD) & ((1 << shift) - 1)
-    head = (kv_head + row_head) * GROUP + rows % GROUP_PAD
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the request
+    head = kv_head * GROUP + rows % GROUP_PAD
     row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
     token = (q_start + q_idx).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
@@ -1384,15 +1346,10 @@ def _paged_attention_kernel(
         swap = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner of each dim
         q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
         q_swap = tl.load(q_rows + swap[None, :], mask=row_ok[:, None], other=0.0)
-        # The new key and value of each row's kv head: [1, HEAD_DIM] for one kv head, a row each if packed.
-        if PACK_SHIFT > 0:
-            kv_of = (kv_head + row_head)[:, None]
-        else:
-            kv_of = tl.zeros([1, 1], dtype=tl.int32) + kv_head
-        k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
-        k = tl.load(k_row + dims[None, :])
-        k_swap = tl.load(k_row + swap[None, :])
-        v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_of * stride_vh + dims[None, :])
+        k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh
+        k = tl.load(k_row + dims)[None, :]  # [1, HEAD_DIM]
+        k_swap = tl.load(k_row + swap)[None, :]
+        v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + dims)[None, :]
         slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
         pos = tl.load(positions_ptr + req).to(tl.int64)
         half = dims % (HEAD_DIM // 2)
@@ -1405,14 +1362,9 @@ def _paged_attention_kernel(
             k = _rope_tile(k, k_swap, swap, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
             k = k.to(k_cache_ptr.dtype.element_ty)
             slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows write to the scratch block
-            slot_ptr = slot * stride_cache_tok + kv_of * stride_cache_head + dims[None, :]
-            if PACK_SHIFT > 0:  # the first query row of each kv head writes it
-                writes = ((rows % GROUP_PAD == 0) & (rows < (GROUP_PAD << shift)))[:, None]
-                tl.store(k_cache_ptr + slot_ptr, k, mask=writes)
-                tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty), mask=writes)
-            else:
-                tl.store(k_cache_ptr + slot_ptr, k)
-                tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty))
+            slot_ptr = slot * stride_cache_tok + kv_head * stride_cache_head + dims[None, :]
+            tl.store(k_cache_ptr + slot_ptr, k)
+            tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty))
             if seq_len > 0:  # the new key: p = 1 against a running max of its own score
                 m = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
                 l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
@@ -1424,7 +1376,7 @@ def _paged_attention_kernel(
     if ROPE:
         kv_end -= 1  # the new key is already counted, from registers
     kv_end = tl.maximum(kv_end, 0)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N >> shift)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
     # The split count is fixed at launch for the longest context the block table allows; this tile uses
     # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
     # zeros of a seq_len-0 row). The rest exit here, and the merge reads only the used ones.
@@ -1442,8 +1394,8 @@ def _paged_attention_kernel(
     q_pos = seq_len - q_len + q_idx
     m, l, acc = _attend_tiles(
         q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
-        kv_head * stride_cache_head, row_head, shift, stride_cache_head, stride_cache_block, stride_cache_tok,
-        kv_end, tile_lo, tile_hi, qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, PACK_SHIFT > 0, DOT_PRECISION,
+        kv_head * stride_cache_head, stride_cache_block, stride_cache_tok, kv_end, tile_lo, tile_hi,
+        qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
     row = token * NUM_HEADS + head  # [BLOCK_M] (token, head) row of out
     if SPLIT:
@@ -1457,7 +1409,7 @@ def _paged_attention_kernel(
             # Tickets: one per (request, kv head, query tile) counts its groups done; after those, one per
             # group counts its splits done.
             q_tiles = tl.num_programs(2) // num_splits
-            tile_id = (req * tl.num_programs(1) + tl.program_id(1)) * q_tiles + q_tile
+            tile_id = (req * tl.num_programs(1) + kv_head) * q_tiles + q_tile
             num_tile_ids = tl.num_programs(0) * tl.num_programs(1) * q_tiles
             groups = tl.cdiv(splits_used, MERGE_FAN_IN)
             first = split // MERGE_FAN_IN * MERGE_FAN_IN
@@ -1546,13 +1498,6 @@ def _past_one_wave(programs: int, device: torch.device) -> bool:
     return programs > ATTN_PROGRAMS_PER_SM * _sm_count(device)
 
 
-def _decode_pack(b: int, hkv: int) -> int:
-    """kv heads a decode program takes over a short context (see ATTN_PACK_PROGRAMS): a power of two that
-    divides hkv, as many as still leave ATTN_PACK_PROGRAMS programs; 1 (no packing) below that."""
-    most = b * hkv // max(ATTN_PACK_PROGRAMS, 1)
-    return math.gcd(hkv, 1 << (most.bit_length() - 1)) if most > 1 else 1
-
-
 def _attention_num_splits(programs: int, max_splits: int, device: torch.device) -> int:
     """Split the KV range only when the grid would leave SMs idle (decode at small batch, long context).
     Called only when each request's queries fit one tile: a prefill gets its programs from its query
@@ -1639,15 +1584,13 @@ def decode_attention(
     slots of the caches; k and v are left as they were, q may be rotated in place. Returns out [B, H, D].
 
     A bigger batch takes the two launches: fused, each program waits one more round trip (cos and sin
-    need its position) before its first K/V load, once per wave of programs, and at 256 requests with one
-    kv head a program that cost more than the launch saves (935 against 692 us of attention per
-    Qwen3-0.6B step, H200). Packed kv heads (ATTN_PACK_PROGRAMS) count as one program: at 256 requests
-    x 33-64 keys, 8 heads a program, 19.6 us a layer in one launch against 22.1 in two."""
+    need its position) before its first K/V load, once per wave of programs, and at 256 requests that
+    cost more than the launch saves (935 against 692 us of attention per Qwen3-0.6B step, H200)."""
     _check_attention_args(q, k_cache, v_cache, None, seq_lens, block_table, 1)
     _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
     _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     b = seq_lens.shape[0]
-    if _past_one_wave(b * k.shape[1] // _decode_pack(b, k.shape[1]), q.device):
+    if _past_one_wave(b * k.shape[1], q.device):
         rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
                       k_norm_weight, eps)
         # seq_lens stands in for query_start_loc, which a decode launch never reads
@@ -1688,10 +1631,7 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
     # (1.967 against 1.948 ms a Qwen3-0.6B step), 2.5% fewer tokens/s in run.py bench (25.6K against
     # 26.2K, H200), so one choice serves every batch, and a graph and an eager step run the same tiles.
     decode = max_query_len == 1 and t == b
-    heads = _decode_pack(b, hkv) if decode and num_splits == 1 else 1
     warps, stages = (8 if block_m >= 128 else 4), (2 if q_tiles == 1 else 3)
-    if heads > 1:
-        block_m, block_n, stages = max(MIN_DOT, heads * _next_pow2(group)), max(MIN_DOT, ATTN_PACK_BLOCK_N), 3
     if num_splits > 1:
         part_out = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, t, h, 2), dtype=torch.float32, device=q.device)
@@ -1707,8 +1647,7 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PACK_SHIFT=heads.bit_length() - 1,
-        PACK_MAX_CONTEXT=ATTN_PACK_MAX_CONTEXT, SPLIT=num_splits > 1,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
         MIN_SPLIT_TILES=min_split_tiles, MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
         DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
         ROPE=rope is not None, HAS_NORM=has_norm, num_warps=warps, num_stages=stages,

@@ -1531,28 +1531,15 @@ def test_kernel_paged_attention_merges_many_splits(monkeypatch):
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
-@pytest.mark.parametrize("h,hkv,num_splits", [(4, 2, None), (3, 1, 3), (4, 2, 5), (8, 4, 1)])
+@pytest.mark.parametrize("h,hkv,num_splits", [(4, 2, None), (3, 1, 3), (4, 2, 5)])
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one_launch):
     """rope_write_kv then paged_attention, in one launch (or two, for a batch past one wave of programs):
     the same output and caches as the two references, k and v untouched. The new token's cache slot
     holds NaN beforehand, so a kernel that read it back (rather than using the key from registers) or
-    counted it twice would show. Unsplit, a short context's program takes several kv heads
-    (ATTN_PACK_PROGRAMS), in either launch: with RoPE inside, each packed kv head's first query row writes
-    its new key and value; the longer rows (70, 130 keys) keep one kv head a program in the same launch."""
+    counted it twice would show."""
     monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", 1)  # 64-key splits: the long rows use several
     monkeypatch.setattr(kernels, "ATTN_PROGRAMS_PER_SM", 1000 if one_launch else 0)  # the interpreter: 1 "SM"
-    monkeypatch.setattr(kernels, "ATTN_PACK_PROGRAMS", 1)
-    monkeypatch.setattr(kernels, "ATTN_PACK_MAX_CONTEXT", 64)
-    shifts, real_kernel = [], kernels._paged_attention_kernel
-
-    class Spy:  # records each launch's kv heads per short-context program
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                shifts.append(kw["PACK_SHIFT"])
-                return real_kernel[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(kernels, "_paged_attention_kernel", Spy())
     launches, real_launch = [], kernels._attention
 
     def launch(*args, rope):
@@ -1580,8 +1567,6 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one
         assert all(torch.equal(a, b) for a, b in zip(inputs, (k, v))), "k and v are left as they were"
         results.append((out, kc[:-1], vc[:-1]))  # all but the scratch block
     assert launches == [one_launch], "one launch while the batch fits a wave of programs, else two"
-    unsplit = num_splits == 1 or (num_splits is None and not one_launch)  # PROGRAMS_PER_SM 0: no splits
-    assert shifts == [hkv.bit_length() - 1 if unsplit else 0]
     (out, kc, vc), (ref, kc_ref, vc_ref) = results
     assert not out.isnan().any() and out[2].abs().max() == 0, "the padding row attends to nothing"
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
@@ -1591,32 +1576,6 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one
     bad = [torch.cat([t, t[:1]]) for t in (q, k, v)]  # one token more than there are requests
     with pytest.raises(ValueError, match="one token per request: q has 6 tokens, seq_lens 5 requests"):
         kernels.decode_attention(*bad, k_cache, v_cache, slots, positions, sl, bt, cos_sin, d**-0.5, *norms)
-
-
-@pytest.mark.parametrize("block_n,h,hkv", [(64, 8, 4), (64, 16, 8), (16, 4, 4), (16, 6, 2)])
-def test_kernel_paged_attention_decode_packs_kv_heads(monkeypatch, block_n, h, hkv):
-    """An unsplit decode launch packs all kv heads of a short context's request into one program: a key
-    tile's columns are keys x heads, and each query row is masked to its own head's columns. The choice
-    is made per request in the kernel, so one batch mixes both: against the reference, with contexts of
-    several tiles on either side of ATTN_PACK_MAX_CONTEXT (70 and 33 keys one kv head a program; 17, a
-    one-key row and a padding row packed), and a group of 3 query heads padded to 4 rows. The launch
-    must have packed (a kernel that quietly ran one kv head per program would pass the comparison)."""
-    monkeypatch.setattr(kernels, "ATTN_PROGRAMS_PER_SM", 0)  # no splits unless asked for
-    monkeypatch.setattr(kernels, "ATTN_PACK_PROGRAMS", 1)  # pack even these few programs, all heads
-    monkeypatch.setattr(kernels, "ATTN_PACK_MAX_CONTEXT", 20)
-    monkeypatch.setattr(kernels, "ATTN_PACK_BLOCK_N", block_n)
-    shifts, real = [], kernels._paged_attention_kernel
-
-    class Spy:  # records each launch's kv heads per short-context program
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                shifts.append(kw["PACK_SHIFT"])
-                return real[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(kernels, "_paged_attention_kernel", Spy())
-    _check_attention([1] * 5, [70, 0, 1, 33, 17], h, hkv, d=16, page=4, max_blocks=18, seed=60)
-    _check_attention([1] * 5, [70, 0, 1, 33, 17], h, hkv, d=16, page=4, max_blocks=18, seed=60, num_splits=2)
-    assert shifts == [hkv.bit_length() - 1, 0], "packed without splits; split launches keep one kv head"
 
 
 def test_kernel_paged_attention_all_padding():
@@ -1686,8 +1645,6 @@ def test_kernel_gpu_race_sample():
 @pytest.mark.parametrize("h,hkv,seq_lens", [
     (16, 8, [48, 0, 33, 64, 1]),  # Qwen3-0.6B heads, short contexts: one split each, a padding row
     (32, 4, [8000, 200, 2]),  # Qwen3-30B-A3B heads, a long context over many splits
-    (16, 8, [48, 0, 33, 64, 1] * 80),  # 400 requests: past one wave, kv heads packed per program
-    (32, 8, [48, 0, 33, 1000, 1] * 80),  # the same at Llama-3-8B heads (4 query heads per kv head)
 ])
 def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens):
     d, page, b = 128, 16, len(seq_lens)
