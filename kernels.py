@@ -1915,10 +1915,7 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     # 4.10), so those keep add_rmsnorm apart.
     blocks = _linear_blocks(1, n, k, x.element_size()) if x2.shape[0] == 1 and max_rows >= 1 else None
     if blocks is None or blocks[1] < LINEAR_NORM_MIN_BLOCK_N:
-        if residual is None:
-            h, residual = rmsnorm(x, norm_weight, eps), x
-        else:
-            h, residual = add_rmsnorm(x, residual, norm_weight, eps)
+        h, residual = _pre_norm(x, residual, norm_weight, eps, rmsnorm, add_rmsnorm)
         return linear(h, weight, bias, max_rows), residual
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -1930,11 +1927,16 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
 def add_rmsnorm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two steps it fuses: add_rmsnorm_ref (rmsnorm_ref for the first layer), then F.linear."""
-    if residual is None:
-        h, residual = rmsnorm_ref(x, norm_weight, eps), x
-    else:
-        h, residual = add_rmsnorm_ref(x, residual, norm_weight, eps)
+    h, residual = _pre_norm(x, residual, norm_weight, eps, rmsnorm_ref, add_rmsnorm_ref)
     return torch.nn.functional.linear(h, weight, bias), residual
+
+
+def _pre_norm(x, residual, norm_weight, eps, rms, add_rms) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed input, residual) of a pre-norm layer with these two norms: add_rms(x, residual), or for the
+    first layer (residual None) rms(x) with x as the residual."""
+    if residual is None:
+        return rms(x, norm_weight, eps), x
+    return add_rms(x, residual, norm_weight, eps)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
