@@ -20,6 +20,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # tl.dot needs every dimension of its tiles to be at least 16.
 MIN_DOT = 16
@@ -121,6 +122,51 @@ def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(t.stride())}")
 
 
+# ---------------------------------------------------------------------------------------------------
+# Programmatic dependent launch: the next kernel is already on the SMs when this one ends
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch needs Hopper (sm_90) or later; the interpreter has no such thing."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _pdl(device: torch.device) -> dict:
+    """Launch options of every kernel here: as a programmatic dependent launch where the GPU has it."""
+    return dict(PDL=True, launch_pdl=True) if _use_pdl(device) else dict(PDL=False)
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    """Every kernel here calls this before it reads anything another kernel writes: as its first statement,
+    or, in linear, after prefetching its weights. A decode step is a chain of a few hundred short kernels,
+    and between two of them the GPU normally drains the first, then launches the second and spreads its
+    programs over the SMs: about a microsecond a kernel in which no byte moves. Launched as a
+    programmatic dependent launch (PDL), the next kernel starts while this one runs: its programs take
+    their places on the SMs and wait here, at griddepcontrol.wait, until the kernel before has finished
+    and its writes are visible, then go at once. A kernel lets the next one launch only after its own
+    wait, so at most two kernels are in flight, and each still sees the writes of every kernel before
+    it (it waits for its predecessor, which waited for its own). Without PDL (an older GPU, or the CPU's
+    interpreter) nothing is called and the launch waits as usual."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(base_ptr, row_offs, row_ok, row_len, BLOCK: tl.constexpr):
+    """Ask L2 for elements [0, min(row_len, BLOCK)) of each row_ok row at base_ptr + row_offs [R, 1]:
+    one prefetch.global.L2 per 128-byte line, and no register waits for it. CUDA only (inline PTX)."""
+    LINE: tl.constexpr = 1024 // base_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    offs = tl.arange(0, BLOCK // LINE) * LINE
+    ok = row_ok[:, None] & (offs[None, :] < row_len)
+    ptrs = base_ptr + tl.where(ok, row_offs + offs[None, :], 0)  # the rest ask for element 0 again
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @functools.lru_cache(maxsize=None)
 def _tickets(device: torch.device) -> torch.Tensor:
     """The device's ticket counters (see MAX_TICKETS). Made on the first call, which in the engine is an
@@ -160,7 +206,9 @@ def _rmsnorm_kernel(
     eps,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < num_rows
@@ -196,7 +244,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block_rows = _rows_per_program(num_rows, block_d)
     _rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x3, weight, out, num_rows, x3.shape[1], x3.stride(0), x3.stride(1), dim, eps,
-        BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=_elementwise_warps(block_rows * block_d),
+        BLOCK_ROWS=block_rows, BLOCK_D=block_d, **_pdl(x.device), num_warps=_elementwise_warps(block_rows * block_d),
     )
     return out
 
@@ -224,7 +272,9 @@ def _add_rmsnorm_kernel(
     eps,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < dim
@@ -265,7 +315,7 @@ def add_rmsnorm(
     block_rows = _rows_per_program(num_rows, block_d)
     _add_rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x2, residual, weight, out, num_rows, x2.stride(0), dim, eps,
-        BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=_elementwise_warps(block_rows * block_d),
+        BLOCK_ROWS=block_rows, BLOCK_D=block_d, **_pdl(x.device), num_warps=_elementwise_warps(block_rows * block_d),
     )
     return out, residual
 
@@ -290,7 +340,9 @@ def _silu_and_mul_kernel(
     stride_x,
     inter,  # I
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -311,7 +363,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_next_pow2(inter), 1024)
     _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](
-        x, out, x.stride(0), inter, BLOCK=block, num_warps=4,
+        x, out, x.stride(0), inter, BLOCK=block, **_pdl(x.device), num_warps=4,
     )
     return out
 
@@ -351,7 +403,9 @@ def _race_kernel(
     CHUNK: tl.constexpr,  # vocabulary ids per program
     BLOCK_V: tl.constexpr,  # ids per loop step
     GREEDY: tl.constexpr,  # every row has temperature 0: plain argmax, no noise to make
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     # argmax_v softmax(l / T)_v / E_v with E_v ~ Exp(1) draws v from softmax(l / T) (the exponential race);
     # in logs that is argmax_v l_v / T - log(E_v): no softmax, one read of the logits, noise made in
     # registers from (seed, counter, v), so no [S, V] noise tensor ever exists.
@@ -422,7 +476,7 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
         logits, temperature.float().contiguous(), seeds.contiguous(), counters.contiguous(), part_score, part_idx,
         _tickets(logits.device), tokens, vocab, logits.stride(0),
         NUM_CHUNKS=chunks, CHUNKS_PAD=_next_pow2(chunks), CHUNK=RACE_CHUNK, BLOCK_V=RACE_BLOCK_V, GREEDY=greedy,
-        num_warps=4,
+        **_pdl(logits.device), num_warps=4,
     )
     return tokens
 
@@ -470,7 +524,9 @@ def _moe_route_kernel(
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     RENORM: tl.constexpr,  # divide the k weights by their sum (Qwen3-MoE's norm_topk_prob)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     # One program per token. torch needs five launches for this (float cast, softmax, topk, sum, divide),
     # each a few microseconds at decode, in every MoE layer; here k rounds of max over E values.
     t = tl.program_id(0).to(tl.int64)
@@ -511,7 +567,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     if t:
         _moe_route_kernel[(t,)](logits, weights, ids, NUM_EXPERTS=e, EXPERTS_PAD=_next_pow2(e), TOP_K=top_k,
-                                K_PAD=_next_pow2(top_k), RENORM=renormalize, num_warps=1)
+                                K_PAD=_next_pow2(top_k), RENORM=renormalize, **_pdl(logits.device), num_warps=1)
     return weights, ids
 
 
@@ -554,7 +610,9 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,  # each expert's group is padded to a multiple of this
     BLOCK_A: tl.constexpr,  # assignments (or slots) handled per loop step
     BLOCK_B: tl.constexpr,  # blocks handled per loop step
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     # One program, so tl.debug_barrier (a CTA-wide barrier, which also orders the CTA's global memory
     # accesses) can separate the phases; a second launch would cost more than the whole kernel.
     # Atomics do the counting and slot claiming: the alternative, one-hot [assignments x experts] tiles
@@ -627,7 +685,7 @@ def moe_align(
         NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
         BLOCK_A=min(1024, _next_pow2(max_padded)),
         BLOCK_B=min(_next_pow2(num_blocks), max(1, 8192 // experts_pad)),  # owner search tile <= 8K
-        num_warps=4,
+        **_pdl(topk_ids.device), num_warps=4,
     )
     return sorted_ids, block_expert, num_padded
 
@@ -686,7 +744,9 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # The grid covers the worst-case padded length; blocks past the length this routing uses stop here.
@@ -747,7 +807,7 @@ def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks) -> None:
         topk_weights if topk_weights is not None else a,
         out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, DOT_PRECISION=_dot_precision(a.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_pdl(a.device), num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -770,7 +830,9 @@ def _moe_decode_gate_up_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,  # gate (and as many up) rows per program
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     # One row of activations: plain FMAs into one accumulator per loaded weight element, summed over K
     # once after the loop, as linear()'s M = 1 path does (tl.dot would pad the single row to 16).
     a = tl.program_id(0)
@@ -809,27 +871,33 @@ def _moe_decode_down_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,  # output features per program
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     # A program owns BLOCK_N output features of one token and walks that token's top_k experts in order,
     # so the weighted sum over experts happens in registers, in the same order on every run: no atomics,
     # no [A, D] intermediate, no separate sum. The router weight scales the activation row (w * (W @ h)
     # = W @ (w * h)), so one accumulator serves all experts and is reduced over K once at the end.
+    # One flat loop over (expert, K step), not a loop over experts around a loop over K: the pipeliner
+    # then issues the next experts' loads while this one's multiply-adds run. Nested, each expert (one
+    # K step at I = 768) was a round trip of its own: 10.5 against 9.8 us at 1 token, 29.0 against 21.2
+    # at 4 (H200, Qwen3-30B-A3B's down, expert ids cycling so none is found in L2).
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for j in range(0, top_k):
+    k_steps = tl.cdiv(inter, BLOCK_K)
+    for i in range(0, top_k * k_steps):
+        j = i // k_steps  # the expert slot, then the K step within its row
+        ks = (i - j * k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
         a = t * top_k + j
         expert = tl.load(topk_ids_ptr + a).to(tl.int64)
         router_w = tl.load(topk_weights_ptr + a).to(tl.float32)
+        h = tl.load(act_ptr + a.to(tl.int64) * inter + ks, mask=k_ok, other=0.0) * router_w  # [BLOCK_K] fp32
         w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-        act_row = act_ptr + a.to(tl.int64) * inter
-        for k0 in range(0, inter, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < inter
-            h = tl.load(act_row + ks, mask=k_ok, other=0.0) * router_w  # [BLOCK_K] float32
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * h[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * h[None, :]
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     tl.store(out_ptr + t.to(tl.int64) * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -841,13 +909,15 @@ def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int,
 
     gate_up on 16-bit weights takes MOE_DECODE_GATE_UP_BLOCKS, an H200 sweep's best. Otherwise linear()'s
     M = 1 rules: the widest BLOCK_N up to 16 that still leaves MIN_PROGRAMS programs (two per SM), and
-    LINEAR_TILE_BYTES of weights per program per step, narrower when K is short; Qwen3-30B-A3B's down in
-    bf16 at 1 token gets 256 tiles of 8 rows, BLOCK_K 1024 (one 12 KB tile, I = 768 of 1024 lanes). A
-    separate function so a sweep can pass other triples to fused_moe_decode."""
+    LINEAR_TILE_BYTES of weights per program per step, narrower when K is short. Down, whose loop runs
+    ahead across experts, takes narrower tiles and twice the programs: up to 8 rows, 2 x MIN_PROGRAMS.
+    Qwen3-30B-A3B's down in bf16 then gets 512 tiles of 4 rows at 1 token and 1024 of 8 at 4, BLOCK_K 1024
+    (I = 768 of 1024 lanes), an H200 sweep's best (9.8 against 9.9 us for 8 rows at 1 token, 21.2 against
+    22.2 for 16 at 4). A separate function so a sweep can pass other triples to fused_moe_decode."""
     if tiles == 2 and element_size == 2:
         return MOE_DECODE_GATE_UP_BLOCKS
-    block_n = 16
-    while block_n > 1 and rows * triton.cdiv(n_out, block_n) < MIN_PROGRAMS:
+    block_n, min_programs = (16, MIN_PROGRAMS) if tiles == 2 else (8, 2 * MIN_PROGRAMS)
+    while block_n > 1 and rows * triton.cdiv(n_out, block_n) < min_programs:
         block_n //= 2
     block_k = min(LINEAR_TILE_BYTES // (tiles * block_n * element_size), _next_pow2(k_in))
     # 8 warps spread a 16 KB tile at 4 x 16 B loads per thread (32 fp32 accumulators), as linear() does.
@@ -895,12 +965,12 @@ def fused_moe_decode(
     block_n, block_k, num_warps = gate_up_blocks
     _moe_decode_gate_up_kernel[(num_assignments, triton.cdiv(inter, block_n))](
         x, gate_up, ids, act, top_k, inter, d, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, **_pdl(x.device), num_warps=num_warps,
     )
     block_n, block_k, num_warps = down_blocks
     _moe_decode_down_kernel[(n, triton.cdiv(d, block_n))](
         act, down, ids, router_w, out, top_k, d, inter, down.stride(0), down.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, **_pdl(x.device), num_warps=num_warps,
     )
     return out
 
@@ -1057,7 +1127,9 @@ def _rope_write_kv_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,  # D // 2
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     # One program per token does every q, k and v head: cos/sin are loaded once and the whole
     # norm + rotate + KV-cache write chain is one launch instead of several per layer.
     t = tl.program_id(0).to(tl.int64)
@@ -1147,7 +1219,7 @@ def rope_write_kv(
         q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         eps, NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_HEADS_PAD=q_pad, KV_HEADS_PAD=kv_pad, HALF=d // 2,
-        HAS_NORM=has_norm, num_warps=_elementwise_warps((q_pad + 2 * kv_pad) * d),
+        HAS_NORM=has_norm, **_pdl(q.device), num_warps=_elementwise_warps((q_pad + 2 * kv_pad) * d),
     )
 
 
@@ -1301,7 +1373,9 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,  # every request has one query token, so token b is request b's
     ROPE: tl.constexpr,  # decode_attention: rotate q and the new k here, and write the new k and v
     HAS_NORM: tl.constexpr,  # ... after Qwen3's per-head RMSNorm
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
+    _wait_for_inputs(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Query tiles in reverse: under the causal mask the last tiles see the most keys, and launching
@@ -1650,7 +1724,7 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
         MIN_SPLIT_TILES=min_split_tiles, MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
         DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
-        ROPE=rope is not None, HAS_NORM=has_norm, num_warps=warps, num_stages=stages,
+        ROPE=rope is not None, HAS_NORM=has_norm, **_pdl(q.device), num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -1734,6 +1808,7 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
     # A program owns BLOCK_N output features for BLOCK_M rows: up to LINEAR_DOT_MAX_BLOCK_M rows that is all of
     # them, and the weight is read from memory exactly once; x (a few KB to a few hundred) is read again by
@@ -1745,8 +1820,14 @@ def _linear_kernel(
     rows = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < out_features
     row_ok = rows < num_rows
-    w_rows = weight_ptr + cols.to(tl.int64)[:, None] * in_features  # [BLOCK_N, 1]
+    w_offs = cols.to(tl.int64)[:, None] * in_features  # [BLOCK_N, 1]
+    w_rows = weight_ptr + w_offs
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm  # [BLOCK_M]
+    if PDL:
+        # No kernel writes a weight, so the first tile can be on its way into L2 while the kernel before
+        # this one still runs; only x must wait. (H200, Qwen3-0.6B: 1.154 -> 1.109 ms a step at 16 rows.)
+        _prefetch_l2(weight_ptr, w_offs, col_ok, in_features, BLOCK_K)
+    _wait_for_inputs(PDL)
     if USE_DOT:
         # out^T = weight @ x^T: the weight tile is the MMA's tall operand, x pads to 16 columns.
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -1884,7 +1965,7 @@ def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None,
         m, n, k, x2.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-        DOT_PRECISION=_dot_precision(x2.dtype), num_warps=num_warps, num_stages=3,
+        DOT_PRECISION=_dot_precision(x2.dtype), **_pdl(x2.device), num_warps=num_warps, num_stages=3,
     )
 
 

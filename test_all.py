@@ -1866,6 +1866,53 @@ def test_kernel_add_rmsnorm_linear_matches_ref(monkeypatch, m, first_layer):
     assert torch.equal(residual2, ref_residual)
 
 
+# Programmatic dependent launch (see kernels._wait_for_inputs). Compiled for an H200 (sm_90) without one:
+# Triton emits PTX (and ptxas a cubin) on any machine; only the interpreter cannot, hence the subprocess.
+PTX_OF_LINEAR = """
+import sys, triton, kernels
+from triton.backends.compiler import GPUTarget
+m, n, k = (int(a) for a in sys.argv[1:4])
+sig = dict(x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", residual_ptr="*bf16",
+           residual_out_ptr="*bf16", norm_weight_ptr="*bf16", num_rows="i32", out_features="i32",
+           in_features="i32", stride_xm="i32", eps="fp32")
+bm, bn, bk, dot, warps = kernels._linear_blocks(m, n, k, 2)
+consts = dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, ADD=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+              USE_DOT=dot, DOT_PRECISION="tf32", PDL=True)
+src = triton.compiler.ASTSource(fn=kernels._linear_kernel, constexprs=consts,
+                                signature={**sig, **{c: "constexpr" for c in consts}})
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("m", [1, 16])  # the FMA path and the tl.dot path
+def test_kernel_linear_prefetches_its_weights_before_it_waits(m):
+    """Under PDL a linear starts while the kernel before it runs: it may ask L2 for its weights then (no
+    kernel writes them), but must load nothing, x least of all, before griddepcontrol.wait."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", PTX_OF_LINEAR, str(m), "2048", "4096"], env=env,
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    ptx = run.stdout
+    wait = ptx.index("griddepcontrol.wait")
+    assert 0 <= ptx.find("prefetch.global.L2") < wait, "the weight prefetch comes before the wait"
+    assert "ld.global" not in ptx[:wait], "nothing is loaded before the wait"
+    assert "griddepcontrol.launch_dependents" in ptx[wait:]
+
+
+def test_kernel_every_kernel_waits_for_its_inputs():
+    """A kernel launched with launch_pdl that never calls griddepcontrol.wait would read its inputs while
+    the kernel writing them still runs: every @triton.jit kernel takes PDL and calls _wait_for_inputs."""
+    tree = ast.parse(open(kernels.__file__).read())
+    found = 0
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name.endswith("_kernel"):
+            found += 1
+            assert "PDL" in [a.arg for a in fn.args.args], fn.name
+            calls = [n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+            assert calls.count("_wait_for_inputs") == 1, f"{fn.name} calls _wait_for_inputs {calls.count('_wait_for_inputs')} times"
+    assert found >= 12
+
+
 def test_kernel_add_rmsnorm_linear_keeps_the_norm_apart_on_long_rows():
     """K = 2048 takes the one-row kernel's 4-row tiles, where re-reading the row in every program costs more
     than the launch it saves: add_rmsnorm (in place) and the plain kernel, same results."""
@@ -2076,3 +2123,35 @@ def test_kernel_gpu_linear_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 4])  # linear's FMA path and its tl.dot path
+def test_kernel_gpu_pdl_chain_in_graph_matches_plain_launches(monkeypatch, rows):
+    """80 kernels, each reading what the one before it wrote at once, replayed from a CUDA graph with
+    programmatic dependent launch: a kernel that started before its predecessor's writes were visible
+    would read stale rows, so the result must equal, bit for bit, the same chain launched plainly."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    assert kernels._pdl(CUDA_DEVICE) == dict(PDL=True, launch_pdl=True)
+    hidden = 2048
+    w = (_randn(hidden, hidden, seed=70, device="cuda") * hidden**-0.5).to(BF16)
+    g = (1 + 0.1 * _randn(hidden, seed=71, device="cuda")).to(BF16)
+    x0 = _randn(rows, hidden, seed=72, device="cuda", dtype=BF16)
+
+    def chain(x, residual):
+        for _ in range(40):
+            h, residual = kernels.add_rmsnorm(x, residual, g, 1e-6)
+            x = kernels.linear(h, w)
+        return x, residual
+
+    x, residual = x0.clone(), torch.zeros_like(x0)
+    chain(x.clone(), residual.clone())  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, out_residual = chain(x, residual)
+    graph.replay()
+    monkeypatch.setattr(kernels, "_pdl", lambda device: dict(PDL=False))
+    ref, ref_residual = chain(x0.clone(), torch.zeros_like(x0))
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref) and torch.equal(out_residual, ref_residual)
