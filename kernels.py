@@ -1809,6 +1809,7 @@ def _linear_kernel(
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
+    PREFETCH: tl.constexpr,  # with PDL: ask L2 for the first weight tile before the wait (_linear_prefetch)
 ):
     # A program owns BLOCK_N output features for BLOCK_M rows: up to LINEAR_DOT_MAX_BLOCK_M rows that is all of
     # them, and the weight is read from memory exactly once; x (a few KB to a few hundred) is read again by
@@ -1823,9 +1824,9 @@ def _linear_kernel(
     w_offs = cols.to(tl.int64)[:, None] * in_features  # [BLOCK_N, 1]
     w_rows = weight_ptr + w_offs
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm  # [BLOCK_M]
-    if PDL:
+    if PDL and PREFETCH:
         # No kernel writes a weight, so the first tile can be on its way into L2 while the kernel before
-        # this one still runs; only x must wait. (H200, Qwen3-0.6B: 1.154 -> 1.109 ms a step at 16 rows.)
+        # this one still runs; only x must wait.
         _prefetch_l2(weight_ptr, w_offs, col_ok, in_features, BLOCK_K)
     _wait_for_inputs(PDL)
     if USE_DOT:
@@ -1910,6 +1911,16 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
     return 1, block_n, block_k, use_dot, 8
 
 
+def _linear_prefetch(block_k: int) -> bool:
+    """Whether a linear prefetches its first weight tile before it waits (under PDL): only where that tile
+    is a short part of each row. Same-machine H200 A/B, ms a step at batch 1 without / with it: Qwen3-0.6B
+    (K 1024-3072, 512-column tiles) 0.830 / 0.823, and 1.139 / 1.127 at 16 rows (tl.dot, 256 columns);
+    on the long-row tiles (LINEAR_LONG_K columns, the whole row or half of it) Llama-3.2-1B 0.932 / 0.937,
+    Llama-3-8B 4.178 / 4.276, Qwen3-30B-A3B 2.568 / 2.597: there the programs dispatched early fetch a
+    whole kernel's worth of rows while the kernel before them still needs the bandwidth."""
+    return block_k < LINEAR_LONG_K
+
+
 def _check_linear_args(x, weight, bias, silu_mul: bool) -> None:
     _check_last_dim_contiguous("x", x)
     k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
@@ -1965,7 +1976,8 @@ def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None,
         m, n, k, x2.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-        DOT_PRECISION=_dot_precision(x2.dtype), **_pdl(x2.device), num_warps=num_warps, num_stages=3,
+        DOT_PRECISION=_dot_precision(x2.dtype), **_pdl(x2.device), PREFETCH=_linear_prefetch(block_k),
+        num_warps=num_warps, num_stages=3,
     )
 
 

@@ -281,23 +281,26 @@ def trace_summary(path: str, steps: int, cuda: bool) -> dict:
         return dict(note="CPU run: no GPU timeline")
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    kernel_events = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernel_events)
-    by_name = collections.Counter()  # where the busy time goes: the kernels that take most of a step
-    for e in kernel_events:
-        by_name[e["name"][:60]] += e["dur"]
-    top = by_name.most_common(TOP_KERNELS)
-    if not kernels:
+    kernel_events = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    if not kernel_events:
         return dict(note="no kernels in the trace")
-    busy, gaps, end = 0.0, [], kernels[0][0]
-    for s, e in kernels:  # merge overlaps; a gap is time with no kernel running
+    # A kernel is charged only the time no earlier kernel was still running: under programmatic dependent
+    # launch (kernels.py, Hopper on) the next kernel starts while this one runs and waits for it, and its
+    # own span would count that wait twice (add+norms at 840 us a step in a 2.6 ms 30B step).
+    by_name = collections.Counter()  # where the busy time goes: the kernels that take most of a step
+    busy, gaps, end = 0.0, [], kernel_events[0]["ts"]
+    for ev in kernel_events:  # merge overlaps; a gap is time with no kernel running
+        s, e = ev["ts"], ev["ts"] + ev["dur"]
         if s > end:
             gaps.append(s - end)
-        busy += max(0.0, e - max(s, end))
+        own = max(0.0, e - max(s, end))
+        busy += own
+        by_name[ev["name"][:60]] += own
         end = max(end, e)
-    span = end - kernels[0][0]
+    top = by_name.most_common(TOP_KERNELS)
+    span = end - kernel_events[0]["ts"]
     waiting = sum(g for g in gaps if g >= STEP_GAP_US)
-    return dict(kernels_per_step=round(len(kernels) / steps, 1), gpu_busy=round(busy / span, 4),
+    return dict(kernels_per_step=round(len(kernel_events) / steps, 1), gpu_busy=round(busy / span, 4),
                 gpu_idle_pct=round(100 * (1 - busy / span), 2),
                 idle_between_steps_pct=round(100 * waiting / span, 2),
                 idle_within_steps_pct=round(100 * (span - busy - waiting) / span, 2),

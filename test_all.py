@@ -1038,6 +1038,13 @@ def test_profile_summary_splits_idle_time(tmp_path):
     assert s["idle_between_steps_pct"] == round(100 * 10 / 22, 2)
     assert s["idle_within_steps_pct"] == round(100 * 2 / 22, 2)
     assert s["top_kernels_us_per_step"] == {"gemm": 4.0, "norm": 1.0}
+    # Programmatic dependent launch: each norm starts 2 us before its gemm ends and waits; it is charged
+    # only its own 1 us, and the overlap is busy time once.
+    trace = [k("gemm", 0, 4), k("norm", 2, 3), k("gemm", 16, 4), k("norm", 18, 3)]
+    path.write_text(json.dumps({"traceEvents": trace}))
+    s = run.trace_summary(str(path), steps=2, cuda=True)  # span 21 us, busy 10
+    assert s["gpu_busy"] == round(10 / 21, 4)
+    assert s["top_kernels_us_per_step"] == {"gemm": 4.0, "norm": 1.0}
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -1877,24 +1884,28 @@ sig = dict(x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16",
            in_features="i32", stride_xm="i32", eps="fp32")
 bm, bn, bk, dot, warps = kernels._linear_blocks(m, n, k, 2)
 consts = dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, ADD=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-              USE_DOT=dot, DOT_PRECISION="tf32", PDL=True)
+              USE_DOT=dot, DOT_PRECISION="tf32", PDL=True, PREFETCH=kernels._linear_prefetch(bk))
 src = triton.compiler.ASTSource(fn=kernels._linear_kernel, constexprs=consts,
                                 signature={**sig, **{c: "constexpr" for c in consts}})
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"])
 """
 
 
-@pytest.mark.parametrize("m", [1, 16])  # the FMA path and the tl.dot path
-def test_kernel_linear_prefetches_its_weights_before_it_waits(m):
+@pytest.mark.parametrize("m,k,prefetch", [(1, 1024, True), (16, 1024, True), (1, 4096, False)])
+def test_kernel_linear_prefetches_its_weights_before_it_waits(m, k, prefetch):
     """Under PDL a linear starts while the kernel before it runs: it may ask L2 for its weights then (no
-    kernel writes them), but must load nothing, x least of all, before griddepcontrol.wait."""
+    kernel writes them; only on short tiles: the FMA path at K = 1024, tl.dot at 16 rows, not the long-row
+    tiles of K = 4096), but must load nothing, x least of all, before griddepcontrol.wait."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", PTX_OF_LINEAR, str(m), "2048", "4096"], env=env,
+    run = subprocess.run([sys.executable, "-c", PTX_OF_LINEAR, str(m), "2048", str(k)], env=env,
                          capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert run.returncode == 0, run.stderr[-2000:]
     ptx = run.stdout
     wait = ptx.index("griddepcontrol.wait")
-    assert 0 <= ptx.find("prefetch.global.L2") < wait, "the weight prefetch comes before the wait"
+    if prefetch:
+        assert 0 <= ptx.find("prefetch.global.L2") < wait, "the weight prefetch comes before the wait"
+    else:
+        assert "prefetch.global" not in ptx
     assert "ld.global" not in ptx[:wait], "nothing is loaded before the wait"
     assert "griddepcontrol.launch_dependents" in ptx[wait:]
 
