@@ -81,11 +81,20 @@ LINEAR_MAX_M = 256
 # ... one row runs on CUDA-core FMAs (one per weight element, ~6% of the H200's fp32 peak at 4.3 TB/s);
 # 2 or more rows pad to a power of two from 16 and run on tl.dot, since 16 FMAs per element would reach
 # that peak and make the arithmetic, not the memory, the limit; a program takes at most this many rows
-# (32 beat 64 at 64 rows but for the gate/up matmul, level there: H200 sweep) ...
+# where rows are long (K >= LINEAR_LONG_K: Qwen3-0.6B's o and down, 32 beat 64 and 128 at 64-256 rows) ...
 LINEAR_DOT_MAX_BLOCK_M = 32
-# ... and the tiles are as wide as leaves this many programs (one per SM, near enough: 128 beat 256 at q/k/v
-# and gate/up, 16-64 rows, where the wider tile re-reads x fewer times).
-LINEAR_DOT_MIN_PROGRAMS = 128
+# ... and up to this many on shorter rows (K = 1024: q/k/v, gate/up, lm_head), where a weight tile's few K
+# steps are better spent on more rows than re-read by a second row block: 64 rows of gate/up in one block,
+# 5.4 against 5.8 us, 128 rows of q/k/v in two blocks of 64, 4.6 against 5.2 (H200 sweep, 2026-12-01) ...
+LINEAR_DOT_SHORT_MAX_BLOCK_M = 128
+# ... while the tiles leave this many programs, first narrowing the row block (down to the cap above), then
+# the tile (about one program per SM, three quarters of the H200's 132 being better than two waves: 96
+# beat 128 at 16-row gate/up, 4.6 against 5.1 us, and picks every best tile of that sweep at 16-256 rows).
+LINEAR_DOT_MIN_PROGRAMS = 96
+# ... and each program keeps this many K steps in flight (pipeline stages): 4 against the one-row path's 3
+# took 64 rows of q/k/v, o, gate/up and down from 5.3 / 4.9 / 5.8 / 6.8 to 4.3 / 4.2 / 5.4 / 5.6 us (each
+# timed as a 28-layer chain in a CUDA graph, H200), and 16 rows of q/k/v from 4.4 to 3.6.
+LINEAR_DOT_STAGES = 4
 # Weight bytes per program per K step: 16 KB in flight per program (8192 bf16, 4-8 x 16 B loads per
 # thread on the FMA path); two or more programs per SM then keep the ~32 KB per SM in flight that
 # 4.3 TB/s needs at ~1 us DRAM latency.
@@ -1803,7 +1812,7 @@ def _linear_kernel(
     SILU_MUL: tl.constexpr,  # one row only: x is [1, 2K] = [gate | up] and the input is silu(gate) * up
     NORM: tl.constexpr,  # one row only: the input is rmsnorm(x (+ residual)) * norm_weight (add_rmsnorm_linear)
     ADD: tl.constexpr,  # ... with the residual added first
-    BLOCK_M: tl.constexpr,  # 1 on the FMA path, 16 to LINEAR_DOT_MAX_BLOCK_M on the tl.dot path
+    BLOCK_M: tl.constexpr,  # 1 on the FMA path, 16 to LINEAR_DOT_SHORT_MAX_BLOCK_M on the tl.dot path
     BLOCK_N: tl.constexpr,  # output features, i.e. weight rows, per program
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -1811,7 +1820,7 @@ def _linear_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
     PREFETCH: tl.constexpr,  # with PDL: ask L2 for the first weight tile before the wait (_linear_prefetch)
 ):
-    # A program owns BLOCK_N output features for BLOCK_M rows: up to LINEAR_DOT_MAX_BLOCK_M rows that is all of
+    # A program owns BLOCK_N output features for BLOCK_M rows: up to a row block's rows that is all of
     # them, and the weight is read from memory exactly once; x (a few KB to a few hundred) is read again by
     # every program, from L2. With more rows the programs of one weight tile (one per row block) are
     # numbered side by side, so they run together and all but the first read the tile from L2.
@@ -1882,13 +1891,18 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
     """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, num_warps) from the shapes alone."""
     use_dot = m > 1
     if use_dot:
-        # From an H200 sweep at Qwen3-0.6B's shapes, 16-256 rows (BLOCK_M 16-128, BLOCK_N 16-128, BLOCK_K
-        # 64-256, 4 or 8 warps): rows pad to a power of two from 16 (tl.dot's least) up to
-        # LINEAR_DOT_MAX_BLOCK_M, more rows take more row blocks; then the widest BLOCK_N up to 64 (each x
-        # chunk reused by more weight rows) that still leaves LINEAR_DOT_MIN_PROGRAMS programs, and the
-        # BLOCK_K that makes the larger of the two tiles LINEAR_TILE_BYTES. E.g. 16 rows of q/k/v: 32 x 256
-        # tiles in 128 programs, 5.1 us against 6.0 for 16 x 512 tiles in 256 programs. 4 warps.
-        block_m, block_n, num_warps = min(max(MIN_DOT, _next_pow2(m)), LINEAR_DOT_MAX_BLOCK_M), 64, 4
+        # From H200 sweeps at Qwen3-0.6B's shapes, 16-256 rows (BLOCK_M 16-128, BLOCK_N 16-128, BLOCK_K
+        # 64-256, 4 or 8 warps, 3-5 stages): rows pad to a power of two from 16 (tl.dot's least) up to the
+        # row block's cap, which narrows (not below LINEAR_DOT_MAX_BLOCK_M) while it would leave fewer than
+        # LINEAR_DOT_MIN_PROGRAMS programs; then the widest BLOCK_N up to 64 (each x chunk reused by more
+        # weight rows) that still leaves them, and the BLOCK_K that makes the larger of the two tiles
+        # LINEAR_TILE_BYTES. E.g. 64 rows of q/k/v: 2 row blocks of 32 x 64 x 128 tiles, 128 programs; of
+        # gate/up: 1 block of 64 x 64 x 128, 96 programs. 4 warps.
+        cap = LINEAR_DOT_MAX_BLOCK_M if k >= LINEAR_LONG_K else LINEAR_DOT_SHORT_MAX_BLOCK_M
+        block_m, block_n, num_warps = min(max(MIN_DOT, _next_pow2(m)), cap), 64, 4
+        while (block_m > LINEAR_DOT_MAX_BLOCK_M
+               and triton.cdiv(n, block_n) * triton.cdiv(m, block_m) < LINEAR_DOT_MIN_PROGRAMS):
+            block_m //= 2
         row_blocks = triton.cdiv(m, block_m)
         while block_n > MIN_DOT and triton.cdiv(n, block_n) * row_blocks < LINEAR_DOT_MIN_PROGRAMS:
             block_n //= 2
@@ -1977,7 +1991,7 @@ def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION=_dot_precision(x2.dtype), **_pdl(x2.device), PREFETCH=_linear_prefetch(block_k),
-        num_warps=num_warps, num_stages=3,
+        num_warps=num_warps, num_stages=LINEAR_DOT_STAGES if use_dot else 3,
     )
 
 

@@ -1796,9 +1796,9 @@ def _poison_empty(monkeypatch) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-# M = 1: the FMA path; 3 and 16: tl.dot with rows padded to 16; 40 and 130: two and five blocks of 32
-# rows, the last ragged. (70, 200): N and K both ragged against every block size; (64, 512):
-# whole blocks, two K steps; (37, 600): several K steps and a ragged tail.
+# M = 1: the FMA path; 3 and 16: tl.dot with rows padded to 16; 40 and 130 (short rows, so the row block
+# may grow): one block of 64 rows and two of 128, the last ragged. (70, 200): N and K both ragged against
+# every block size; (64, 512): whole blocks, two K steps; (37, 600): several K steps and a ragged tail.
 @pytest.mark.parametrize("m", [1, 3, 16, 40, 130])
 @pytest.mark.parametrize("n,k", [(70, 200), (64, 512), (37, 600)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -1806,6 +1806,7 @@ def test_kernel_linear_matches_ref(monkeypatch, m, n, k, with_bias):
     # Few, wide programs keep the interpreter fast: BLOCK_N 16 (FMA) or 32-64 (dot) at these N, and 4 KB
     # tiles give BLOCK_K 16-64, so K = 512 and 600 take many steps, the last one ragged at 600.
     monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LINEAR_DOT_MIN_PROGRAMS", 2)
     monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
     _poison_empty(monkeypatch)
     x, w = _randn(m, k, seed=1), _randn(n, k, seed=2)
@@ -1813,6 +1814,18 @@ def test_kernel_linear_matches_ref(monkeypatch, m, n, k, with_bias):
     out = kernels.linear(x, w, bias)
     assert out.shape == (m, n) and out.dtype == x.dtype
     torch.testing.assert_close(out, kernels.linear_ref(x, w, bias), **LINEAR_TOL)
+
+
+def test_kernel_linear_long_rows_take_blocks_of_32(monkeypatch):
+    """K >= LINEAR_LONG_K caps the row block at LINEAR_DOT_MAX_BLOCK_M: 40 rows are two blocks of 32, the
+    second ragged, each reading the weight tile (the second from L2 on the GPU)."""
+    monkeypatch.setattr(kernels, "LINEAR_DOT_MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
+    _poison_empty(monkeypatch)
+    m, n, k = 40, 37, kernels.LINEAR_LONG_K + 52
+    assert kernels._linear_blocks(m, n, k, 4)[0] == kernels.LINEAR_DOT_MAX_BLOCK_M == 32
+    x, w = _randn(m, k, seed=4), _randn(n, k, seed=5) * k**-0.5
+    torch.testing.assert_close(kernels.linear(x, w), kernels.linear_ref(x, w), **LINEAR_TOL)
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -1987,10 +2000,10 @@ def test_triton_linear_rows_setting():
 
 @needs_cuda
 def test_gpu_triton_linear_rows_default():
-    """On CUDA the Triton matmul takes up to 16 rows on a small model (hidden size <= 1024) and one row
+    """On CUDA the Triton matmul takes up to 64 rows on a small model (hidden size <= 1024) and one row
     on a bigger one."""
     assert nanoengine.build_model(nanoengine.EngineConfig(model="tiny", device="cuda"))[0].ops.linear.keywords == \
-        {"max_rows": 16}
+        {"max_rows": 64}
     big = nanoengine.EngineConfig(model="llama-3.2-1b", device="cuda")
     assert nanoengine.build_model(big)[0].ops.linear.keywords == {"max_rows": 1} and big.triton_linear_rows == 1
 
@@ -2016,7 +2029,17 @@ def test_kernel_linear_block_choice(m):
     for name, (k, n) in SHAPES.items():
         block_m, block_n, block_k, use_dot, num_warps = kernels._linear_blocks(m, n, k, 2)
         programs = -(-n // block_n) * -(-m // block_m)
-        assert use_dot == (m > 1) and block_m == min(max(m, 1 if m == 1 else 16), 32), name
+        assert use_dot == (m > 1), name
+        if use_dot:  # rows pad to a power of two from 16, capped by the row length ...
+            cap = kernels.LINEAR_DOT_MAX_BLOCK_M if k >= kernels.LINEAR_LONG_K else kernels.LINEAR_DOT_SHORT_MAX_BLOCK_M
+            widest = min(max(16, 1 << (m - 1).bit_length()), cap)
+            assert block_m <= widest and block_m & (block_m - 1) == 0, name
+            # ... and narrow, not below LINEAR_DOT_MAX_BLOCK_M, only while 64-wide tiles leave too few programs
+            leaves = lambda bm: -(-n // 64) * -(-m // bm) >= kernels.LINEAR_DOT_MIN_PROGRAMS
+            assert block_m == widest or (block_m >= kernels.LINEAR_DOT_MAX_BLOCK_M and not leaves(2 * block_m)), name
+            assert block_m <= kernels.LINEAR_DOT_MAX_BLOCK_M or leaves(block_m), name
+        else:
+            assert block_m == 1, name
         # Two programs per SM for one row, one for tl.dot, unless the narrowest block allowed gives fewer.
         least = kernels.LINEAR_DOT_MIN_PROGRAMS if use_dot else kernels.MIN_PROGRAMS
         assert programs >= least or block_n == (kernels.MIN_DOT if use_dot else 1), name
