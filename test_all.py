@@ -1923,6 +1923,38 @@ def test_kernel_linear_prefetches_its_weights_before_it_waits(m, k, prefetch):
     assert "griddepcontrol.launch_dependents" in ptx[wait:]
 
 
+PTX_OF_DECODE_ATTENTION = """
+import triton, kernels
+from triton.backends.compiler import GPUTarget
+fn = kernels._paged_attention_kernel
+sig = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", query_start_loc_ptr="*i32", seq_lens_ptr="*i32",
+           block_table_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32", part_ml_ptr="*fp32", tickets_ptr="*i32",
+           num_tokens="i32", num_splits="i32", k_new_ptr="*bf16", v_new_ptr="*bf16", slot_mapping_ptr="*i64",
+           positions_ptr="*i64", scratch_slot="i32", cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16",
+           eps="fp32", qk_scale="fp32")
+sig.update({a: "i32" for a in fn.arg_names if a.startswith("stride_")})
+consts = dict(NUM_HEADS=16, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,
+              SPLIT=False, MIN_SPLIT_TILES=2, MERGE_FAN_IN=8, DOT_PRECISION="tf32", DECODE=True, ROPE=True,
+              HAS_NORM=True, PDL=True)
+attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
+src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature={**sig, **{c: "constexpr" for c in consts}},
+                                attrs=attrs)
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"])
+"""
+
+
+def test_kernel_decode_attention_releases_the_next_kernel_only_as_it_exits():
+    """Under PDL decode attention waits for its inputs like every kernel, but never calls
+    griddepcontrol.launch_dependents, so the o matmul after it is launched as its programs exit rather than
+    piled onto the first SMs they free (see kernels._wait_for_inputs); the linear releases the next kernel
+    at once (test_kernel_linear_prefetches_its_weights_before_it_waits)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", PTX_OF_DECODE_ATTENTION], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "griddepcontrol.wait" in run.stdout and "griddepcontrol.launch_dependents" not in run.stdout
+
+
 def test_kernel_every_kernel_waits_for_its_inputs():
     """A kernel launched with launch_pdl that never calls griddepcontrol.wait would read its inputs while
     the kernel writing them still runs: every @triton.jit kernel takes PDL and calls _wait_for_inputs."""
