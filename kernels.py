@@ -84,12 +84,14 @@ LINEAR_MAX_M = 256
 # where rows are long (K >= LINEAR_LONG_K: Qwen3-0.6B's o and down, 32 beat 64 and 128 at 64-256 rows) ...
 LINEAR_DOT_MAX_BLOCK_M = 32
 # ... and up to this many on shorter rows (K = 1024: q/k/v, gate/up, lm_head), where a weight tile's few K
-# steps are better spent on more rows than re-read by a second row block: 64 rows of gate/up in one block,
-# 5.4 against 5.8 us, 128 rows of q/k/v in two blocks of 64, 4.6 against 5.2 (H200 sweep, 2026-12-01) ...
+# steps are better spent on more rows than re-read by a second row block: 64 rows of gate/up in one block
+# took 5.3 us against 5.9 or more in blocks of 32, 128 rows of q/k/v in blocks of 64 4.6 against 5.3 or
+# more (H200 sweep, 2026-12-01) ...
 LINEAR_DOT_SHORT_MAX_BLOCK_M = 128
 # ... while the tiles leave this many programs, first narrowing the row block (down to the cap above), then
-# the tile (about one program per SM, three quarters of the H200's 132 being better than two waves: 96
-# beat 128 at 16-row gate/up, 4.6 against 5.1 us, and picks every best tile of that sweep at 16-256 rows).
+# the tile: about one program per SM, three quarters of the H200's 132 being better than two waves. With
+# 96 (128 before) the rule picks the row block and tile width that sweep found best for q/k/v, o, gate/up
+# and down at 64-256 rows, within 1%.
 LINEAR_DOT_MIN_PROGRAMS = 96
 # ... and each program keeps this many K steps in flight (pipeline stages): 4 against the one-row path's 3
 # took 64 rows of q/k/v, o, gate/up and down from 5.3 / 4.9 / 5.8 / 6.8 to 4.3 / 4.2 / 5.4 / 5.6 us (each

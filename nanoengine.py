@@ -533,11 +533,12 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     if cfg.triton_linear_rows is None:
         # On CUDA the Triton matmul takes one row on every model: it streams a decode matrix faster than
         # cuBLAS (Qwen3-0.6B's matmuls 554 against 962 us a step, H200). Up to 64 rows only on small
-        # models: at Qwen3-0.6B's shapes, with 4 pipeline stages, its q/k/v, o, gate/up and down took 19.4
-        # us a layer at 64 rows against cuBLAS's 25.8 (plus the split-K reduction cuBLAS adds to o and
-        # down, and a launch gap before each cuBLAS kernel, which programmatic dependent launch removes);
-        # at 128-256 rows cuBLAS's lm_head is 1.2-1.4x faster, and at Llama-3-8B's shapes cuBLAS is 4-8%
-        # faster from 4 rows.
+        # models: at Qwen3-0.6B's shapes, with 4 pipeline stages, its q/k/v, o, gate/up and down took 19.4-
+        # 20.2 us a layer at 64 rows against cuBLAS's 25.7 (each timed as a chain of 28 calls in a CUDA
+        # graph: cuBLAS's figure holds the split-K reduction it adds to o and down and a launch gap before
+        # each of its kernels, which programmatic dependent launch spares the Triton kernels); at 128-256
+        # rows cuBLAS's lm_head is 1.2-1.4x faster, and at Llama-3-8B's shapes cuBLAS is 4-8% faster from
+        # 4 rows.
         cfg.triton_linear_rows = 64 if mcfg.hidden_size <= 1024 else 1
     if cfg.fuse:
         model.fuse(kernels=True, triton=cfg.triton, triton_linear_rows=cfg.triton_linear_rows)
