@@ -2135,7 +2135,7 @@ BF16_LINEAR_TOL = dict(atol=3e-2, rtol=1.6e-2)
 
 
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 40, 64])  # 40: a ragged row block (of 64 on K = 1024, of 32 beyond)
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_kernel_gpu_linear_bf16_real_shapes(name, m):
     k, n = SHAPES[name]
