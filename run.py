@@ -318,7 +318,7 @@ STEP_GAP_US = 2.0  # longer than any launch-to-launch gap inside a replayed grap
 # overhead is excluded and inputs smaller than the 60 MB L2 stay cached: small shapes can pass 100%.
 # Functions that synchronise with the host cannot be captured and are timed eagerly with CUDA events.
 
-KERNEL_GROUPS = ("elementwise", "moe", "attention", "linear")
+KERNEL_GROUPS = ("elementwise", "moe", "attention", "linear", "tiles")  # tiles: only when asked (minutes)
 REP_MS = 20  # timed replay per measurement; ~60 measurements keep the run well under a minute
 PAGE_SIZE = 16  # the engine's KV page size
 QWEN3_0_6B = dict(hidden=1024, inter=3072, heads=16, kv_heads=8, head_dim=128)
@@ -489,6 +489,8 @@ def bench_kernels(groups=KERNEL_GROUPS, out_lines: list | None = None) -> None:
             _bench_decode_attention(out_lines, b, 128, width=8192 // PAGE_SIZE)
     if "linear" in groups:
         bench_linear()
+    if "tiles" in groups:
+        sweep_linear_tiles()
 
 
 LINEAR_REP_MS = 5  # timed replay per measurement; 84 measurements keep the run near 30 s
@@ -544,8 +546,62 @@ def bench_linear() -> list[dict]:
     return rows
 
 
+TILE_ROWS = (16, 64, 128, 256)
+TILE_LAYERS = 28  # each matrix is timed as a chain of this many calls over as many weight copies, as in a step
+TILE_TOP = 8
+TILE_REP_MS = 15  # timed replay per measurement: ~1,500 of them, about 3 minutes on the H200
+
+
+def _tile_configs(m: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the tl.dot linear at m rows: row blocks of 16
+    at 16 rows, 32-128 (not past m) otherwise; at most 200 KB of shared memory for the pipeline's tiles."""
+    block_ms = [16] if m <= 16 else [b for b in (32, 64, 128) if b <= m]
+    for bm, bn, bk, stages in itertools.product(block_ms, (16, 32, 64, 128), (64, 128, 256), (3, 4, 5)):
+        if stages * (bn + bm) * bk * BYTES <= 200 * 1024:
+            for warps in (4, 8) if bm * bn >= 128 * 64 else (4,):
+                yield bm, bn, bk, warps, stages
+
+
+def _launch_tile(x, w, out, bm, bn, bk, warps, stages):
+    m, k, n = x.shape[0], x.shape[1], w.shape[0]
+    kernels._linear_kernel[(triton.cdiv(n, bn) * triton.cdiv(m, bm),)](
+        x, w, w, out, x, x, x, m, n, k, x.stride(0), 0.0, HAS_BIAS=False, SILU_MUL=False, NORM=False, ADD=False,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=True, DOT_PRECISION="tf32", **kernels._pdl(x.device),
+        PREFETCH=kernels._linear_prefetch(bk), num_warps=warps, num_stages=stages)
+
+
+def sweep_linear_tiles() -> None:
+    """The sweep behind kernels._linear_blocks' tl.dot tiles: each Qwen3-0.6B matrix at TILE_ROWS rows, as a
+    chain of TILE_LAYERS calls in one CUDA graph (so programmatic dependent launch overlaps call with call,
+    as in a step), for cuBLAS, the engine's own tiles and every tile of _tile_configs; us per call."""
+    for m in TILE_ROWS:
+        for name, (k, n) in LINEAR_SHAPES["qwen3_0.6b"].items():
+            if name == "layers":
+                continue
+            copies = 2 if name == "lm_head" else TILE_LAYERS  # the lm_head alone is 5x the L2
+            ws = [torch.randn(n, k, device="cuda", dtype=BF16) * k**-0.5 for _ in range(copies)]
+            x, out = torch.randn(m, k, device="cuda", dtype=BF16), torch.empty(m, n, device="cuda", dtype=BF16)
+            ref = torch.nn.functional.linear(x, ws[0])
+            chain = lambda fn: _time_us(lambda: [fn(w) for w in ws], rep=TILE_REP_MS) / copies
+            row = dict(kernel="linear_tiles", M=m, matrix=name, floor_us=round(n * k * BYTES / BANDWIDTH * 1e6, 2),
+                       cublas_us=round(chain(lambda w: torch.nn.functional.linear(x, w)), 2),
+                       engine_tile=kernels._linear_blocks(m, n, k, BYTES),
+                       engine_us=round(chain(lambda w: kernels.linear(x, w)), 2))
+            timed = []
+            for cfg in _tile_configs(m):
+                try:
+                    _launch_tile(x, ws[0], out, *cfg)
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)  # bf16, as the GPU tests
+                timed.append((round(chain(lambda w: _launch_tile(x, w, out, *cfg)), 2), cfg))
+            row["top"] = sorted(timed)[:TILE_TOP]  # [us, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)]
+            print(json.dumps(row), flush=True)
+            del ws
+
+
 def cmd_kernels(a):
-    groups = a.only.split(",") if a.only else KERNEL_GROUPS
+    groups = a.only.split(",") if a.only else [g for g in KERNEL_GROUPS if g != "tiles"]
     for g in groups:
         if g not in KERNEL_GROUPS:
             raise ValueError(f"--only has {g!r}; choose from {', '.join(KERNEL_GROUPS)}")
