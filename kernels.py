@@ -1990,9 +1990,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None, new_residual=None,
-                   norm_weight=None, eps=0.0):
+                   norm_weight=None, eps=0.0, num_stages=None):
     """_linear_kernel over x2 [M, K]; with norm_weight, the input is its add + RMSNorm (see
-    add_rmsnorm_linear). Unused pointers get x2, which the kernel then never reads."""
+    add_rmsnorm_linear). Unused pointers get x2, which the kernel then never reads. num_stages: the
+    pipeline's depth, LINEAR_DOT_STAGES on tl.dot and 3 on one row unless given (run.py's tile sweep)."""
     m, (n, k) = x2.shape[0], weight.shape  # K from the weight: with silu_mul x2 is [M, 2K]
     block_m, block_n, block_k, use_dot, num_warps = blocks
     _linear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
@@ -2002,7 +2003,7 @@ def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION=_dot_precision(x2.dtype), **_pdl(x2.device), PREFETCH=_linear_prefetch(block_k),
-        num_warps=num_warps, num_stages=LINEAR_DOT_STAGES if use_dot else 3,
+        num_warps=num_warps, num_stages=num_stages or (LINEAR_DOT_STAGES if use_dot else 3),
     )
 
 

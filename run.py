@@ -563,11 +563,7 @@ def _tile_configs(m: int):
 
 
 def _launch_tile(x, w, out, bm, bn, bk, warps, stages):
-    m, k, n = x.shape[0], x.shape[1], w.shape[0]
-    kernels._linear_kernel[(triton.cdiv(n, bn) * triton.cdiv(m, bm),)](
-        x, w, w, out, x, x, x, m, n, k, x.stride(0), 0.0, HAS_BIAS=False, SILU_MUL=False, NORM=False, ADD=False,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=True, DOT_PRECISION="tf32", **kernels._pdl(x.device),
-        PREFETCH=kernels._linear_prefetch(bk), num_warps=warps, num_stages=stages)
+    kernels._launch_linear(x, w, None, out, (bm, bn, bk, True, warps), num_stages=stages)
 
 
 def sweep_linear_tiles() -> None:
