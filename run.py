@@ -318,7 +318,8 @@ STEP_GAP_US = 2.0  # longer than any launch-to-launch gap inside a replayed grap
 # overhead is excluded and inputs smaller than the 60 MB L2 stay cached: small shapes can pass 100%.
 # Functions that synchronise with the host cannot be captured and are timed eagerly with CUDA events.
 
-KERNEL_GROUPS = ("elementwise", "moe", "attention", "linear", "tiles")  # tiles: only when asked (minutes)
+KERNEL_GROUPS = ("elementwise", "moe", "attention", "linear", "tiles")
+DEFAULT_KERNEL_GROUPS = KERNEL_GROUPS[:-1]  # the tile sweep takes minutes: only when asked for
 REP_MS = 20  # timed replay per measurement; ~60 measurements keep the run well under a minute
 PAGE_SIZE = 16  # the engine's KV page size
 QWEN3_0_6B = dict(hidden=1024, inter=3072, heads=16, kv_heads=8, head_dim=128)
@@ -464,7 +465,7 @@ def _bench_decode_attention(out_lines, b: int, ctx: int, width: int = 0) -> None
             lambda: kernels.paged_attention(*args), lambda: kernels.paged_attention_ref(*args), floor_bytes)
 
 
-def bench_kernels(groups=KERNEL_GROUPS, out_lines: list | None = None) -> None:
+def bench_kernels(groups=DEFAULT_KERNEL_GROUPS, out_lines: list | None = None) -> None:
     """Print (and append to out_lines, if given) one JSON line per kernel and shape."""
     if not torch.cuda.is_available():
         raise ValueError("run.py kernels needs a CUDA device")
@@ -597,7 +598,7 @@ def sweep_linear_tiles() -> None:
 
 
 def cmd_kernels(a):
-    groups = a.only.split(",") if a.only else [g for g in KERNEL_GROUPS if g != "tiles"]
+    groups = a.only.split(",") if a.only else DEFAULT_KERNEL_GROUPS
     for g in groups:
         if g not in KERNEL_GROUPS:
             raise ValueError(f"--only has {g!r}; choose from {', '.join(KERNEL_GROUPS)}")
