@@ -319,7 +319,8 @@ STEP_GAP_US = 2.0  # longer than any launch-to-launch gap inside a replayed grap
 # Functions that synchronise with the host cannot be captured and are timed eagerly with CUDA events.
 
 KERNEL_GROUPS = ("elementwise", "moe", "attention", "linear", "tiles")
-DEFAULT_KERNEL_GROUPS = tuple(g for g in KERNEL_GROUPS if g != "tiles")  # the tile sweep takes minutes: asked for only
+# The tile sweep takes minutes: it runs only when asked for.
+DEFAULT_KERNEL_GROUPS = tuple(g for g in KERNEL_GROUPS if g != "tiles")
 REP_MS = 20  # timed replay per measurement; ~60 measurements keep the run well under a minute
 PAGE_SIZE = 16  # the engine's KV page size
 QWEN3_0_6B = dict(hidden=1024, inter=3072, heads=16, kv_heads=8, head_dim=128)
