@@ -1797,8 +1797,9 @@ def _poison_empty(monkeypatch) -> None:
 
 
 # M = 1: the FMA path; 3 and 16: tl.dot with rows padded to 16; 40 and 130 (short rows, so the row block
-# may grow): one block of 64 rows and two of 128, the last ragged. (70, 200): N and K both ragged against
-# every block size; (64, 512): whole blocks, two K steps; (37, 600): several K steps and a ragged tail.
+# may grow): at 40 one block of 64 rows (N = 70) or, narrowed to leave two programs, two of 32; at 130 two
+# of 128; the last block ragged. (70, 200): N and K both ragged against every block size; (64, 512):
+# whole blocks, two K steps; (37, 600): several K steps and a ragged tail.
 @pytest.mark.parametrize("m", [1, 3, 16, 40, 130])
 @pytest.mark.parametrize("n,k", [(70, 200), (64, 512), (37, 600)])
 @pytest.mark.parametrize("with_bias", [False, True])
