@@ -564,10 +564,6 @@ def _tile_configs(m: int):
                 yield bm, bn, bk, warps, stages
 
 
-def _launch_tile(x, w, out, bm, bn, bk, warps, stages):
-    kernels._launch_linear(x, w, None, out, (bm, bn, bk, True, warps), num_stages=stages)
-
-
 def sweep_linear_tiles() -> None:
     """The sweep behind kernels._linear_blocks' tl.dot tiles: each Qwen3-0.6B matrix at TILE_ROWS rows, as a
     chain of TILE_LAYERS calls in one CUDA graph (so programmatic dependent launch overlaps call with call,
@@ -587,12 +583,14 @@ def sweep_linear_tiles() -> None:
                        engine_us=round(chain(lambda w: kernels.linear(x, w)), 2))
             timed = []
             for cfg in _tile_configs(m):
+                bm, bn, bk, warps, stages = cfg
+                launch = lambda w: kernels._launch_linear(x, w, None, out, (bm, bn, bk, True, warps), num_stages=stages)
                 try:
-                    _launch_tile(x, ws[0], out, *cfg)
+                    launch(ws[0])
                 except triton.runtime.errors.OutOfResources:
                     continue
                 torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)  # bf16, as the GPU tests
-                timed.append((round(chain(lambda w: _launch_tile(x, w, out, *cfg)), 2), cfg))
+                timed.append((round(chain(launch), 2), cfg))
             row["top"] = sorted(timed)[:TILE_TOP]  # [us, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)]
             print(json.dumps(row), flush=True)
             del ws
