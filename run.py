@@ -569,9 +569,10 @@ def sweep_linear_tiles() -> None:
     chain of TILE_LAYERS calls in one CUDA graph (so programmatic dependent launch overlaps call with call,
     as in a step), for cuBLAS, the engine's own tiles and every tile of _tile_configs; us per call."""
     for m in TILE_ROWS:
-        for name, (k, n) in LINEAR_SHAPES["qwen3_0.6b"].items():
+        for name, shape in LINEAR_SHAPES["qwen3_0.6b"].items():
             if name == "layers":
                 continue
+            k, n = shape
             copies = 2 if name == "lm_head" else TILE_LAYERS  # the lm_head alone is 5x the L2
             ws = [torch.randn(n, k, device="cuda", dtype=BF16) * k**-0.5 for _ in range(copies)]
             x, out = torch.randn(m, k, device="cuda", dtype=BF16), torch.empty(m, n, device="cuda", dtype=BF16)
