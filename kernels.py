@@ -180,7 +180,7 @@ def _prefetch_l2(base_ptr, row_offs, row_ok, row_len, BLOCK: tl.constexpr):
     """Ask L2 for elements [0, min(row_len, BLOCK)) of each row_ok row at base_ptr + row_offs [R, 1]:
     one prefetch.global.L2 per 128-byte line, and no register waits for it. CUDA only (inline PTX)."""
     LINE: tl.constexpr = 1024 // base_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-    offs = tl.arange(0, BLOCK // LINE) * LINE
+    offs = tl.arange(0, (BLOCK + LINE - 1) // LINE) * LINE  # one line at least (16 float32 on a short tile)
     ok = row_ok[:, None] & (offs[None, :] < row_len)
     ptrs = base_ptr + tl.where(ok, row_offs + offs[None, :], 0)  # the rest ask for element 0 again
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,

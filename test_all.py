@@ -1892,11 +1892,13 @@ def test_kernel_add_rmsnorm_linear_matches_ref(monkeypatch, m, first_layer):
 PTX_OF_LINEAR = """
 import sys, triton, kernels
 from triton.backends.compiler import GPUTarget
-m, n, k = (int(a) for a in sys.argv[1:4])
-sig = dict(x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", residual_ptr="*bf16",
-           residual_out_ptr="*bf16", norm_weight_ptr="*bf16", num_rows="i32", out_features="i32",
+m, n, k, tile_bytes = (int(a) for a in sys.argv[1:5])
+t = sys.argv[5]  # the element type: bf16 or fp32
+kernels.LINEAR_TILE_BYTES = tile_bytes
+sig = dict(x_ptr=f"*{t}", weight_ptr=f"*{t}", bias_ptr=f"*{t}", out_ptr=f"*{t}", residual_ptr=f"*{t}",
+           residual_out_ptr=f"*{t}", norm_weight_ptr=f"*{t}", num_rows="i32", out_features="i32",
            in_features="i32", stride_xm="i32", eps="fp32")
-bm, bn, bk, dot, warps = kernels._linear_blocks(m, n, k, 2)
+bm, bn, bk, dot, warps = kernels._linear_blocks(m, n, k, 2 if t == "bf16" else 4)
 consts = dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, ADD=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
               USE_DOT=dot, DOT_PRECISION="tf32", PDL=True, PREFETCH=kernels._linear_prefetch(bk))
 src = triton.compiler.ASTSource(fn=kernels._linear_kernel, constexprs=consts,
@@ -1905,13 +1907,15 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_war
 """
 
 
-@pytest.mark.parametrize("m,k,prefetch", [(1, 1024, True), (16, 1024, True), (1, 4096, False)])
-def test_kernel_linear_prefetches_its_weights_before_it_waits(m, k, prefetch):
+@pytest.mark.parametrize("m,k,prefetch,tile_bytes,dtype", [
+    (1, 1024, True, 16384, "bf16"), (16, 1024, True, 16384, "bf16"), (1, 4096, False, 16384, "bf16"),
+    (3, 200, True, 1024, "fp32")])  # a tile narrower than one 128-byte line (16 float32): one prefetch a row
+def test_kernel_linear_prefetches_its_weights_before_it_waits(m, k, prefetch, tile_bytes, dtype):
     """Under PDL a linear starts while the kernel before it runs: it may ask L2 for its weights then (no
     kernel writes them; only on short tiles: the FMA path at K = 1024, tl.dot at 16 rows, not the long-row
     tiles of K = 4096), but must load nothing, x least of all, before griddepcontrol.wait."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", PTX_OF_LINEAR, str(m), "2048", str(k)], env=env,
+    run = subprocess.run([sys.executable, "-c", PTX_OF_LINEAR, str(m), "2048", str(k), str(tile_bytes), dtype], env=env,
                          capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert run.returncode == 0, run.stderr[-2000:]
     ptx = run.stdout
