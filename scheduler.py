@@ -391,11 +391,11 @@ class Scheduler:
         """The requests due for more than +1: each gets the block that its token starts.
         Returns the requests whose token starts a block and the block it goes to, or None (nothing
         changed) when the general path must plan this step."""
-        if s.countdown <= 0:  # someone's count is at its last: async, its last allowed token is in flight,
-            return None       # and the general path leaves that request out
-        reqs = s.requests
+        bs, reqs = self.blocks.block_size, s.requests
         due = np.flatnonzero(starts >= s.attend_at)
         counts, lasts = starts[due], s.last[due]
+        if (counts >= lasts).any():
+            return None  # async: its last allowed token is in flight; the general path leaves it out
         # Short of its last allowed token, a request is due only where its token starts a block, and a
         # request holds just the blocks its computed tokens fill (BlockManager.allocate): each needs one.
         if len(due) > self.blocks.num_free_blocks:
@@ -403,9 +403,7 @@ class Scheduler:
         blocks = self.blocks.take(len(due))
         for i, block in zip(due.tolist(), blocks):  # the one loop over requests, at a block boundary
             reqs[i].block_ids.append(block)
-        # The next block's start, or the last. Few numpy operations: on the 2-core CPU, out of its caches
-        # after the forward, each costs ~10 us on the step that meets a block boundary.
-        s.attend_at[due] = np.minimum(counts + self.blocks.block_size, lasts)
+        s.attend_at[due] = attention_at(counts + 1, lasts, bs)  # the next block's start, or the last
         return due, np.array(blocks, dtype=np.int64)
 
     def _drop_steady(self):

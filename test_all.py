@@ -1907,6 +1907,15 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_war
 """
 
 
+def _ptx_for_h200(script: str, *args) -> str:
+    """The PTX that script prints, run outside the interpreter (which cannot compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
 @pytest.mark.parametrize("m,k,prefetch,tile_bytes,dtype", [
     (1, 1024, True, 16384, "bf16"), (16, 1024, True, 16384, "bf16"), (1, 4096, False, 16384, "bf16"),
     (3, 200, True, 1024, "fp32")])  # a tile narrower than one 128-byte line (16 float32): one prefetch a row
@@ -1914,11 +1923,7 @@ def test_kernel_linear_prefetches_its_weights_before_it_waits(m, k, prefetch, ti
     """Under PDL a linear starts while the kernel before it runs: it may ask L2 for its weights then (no
     kernel writes them; only on short tiles: the FMA path at K = 1024, tl.dot at 16 rows, not the long-row
     tiles of K = 4096), but must load nothing, x least of all, before griddepcontrol.wait."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", PTX_OF_LINEAR, str(m), "2048", str(k), str(tile_bytes), dtype], env=env,
-                         capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert run.returncode == 0, run.stderr[-2000:]
-    ptx = run.stdout
+    ptx = _ptx_for_h200(PTX_OF_LINEAR, m, 2048, k, tile_bytes, dtype)
     wait = ptx.index("griddepcontrol.wait")
     if prefetch:
         assert 0 <= ptx.find("prefetch.global.L2") < wait, "the weight prefetch comes before the wait"
@@ -1953,11 +1958,8 @@ def test_kernel_decode_attention_releases_the_next_kernel_only_as_it_exits():
     griddepcontrol.launch_dependents, so the o matmul after it is launched as its programs exit rather than
     piled onto the first SMs they free (see kernels._wait_for_inputs); the linear releases the next kernel
     at once (test_kernel_linear_prefetches_its_weights_before_it_waits)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", PTX_OF_DECODE_ATTENTION], env=env, capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "griddepcontrol.wait" in run.stdout and "griddepcontrol.launch_dependents" not in run.stdout
+    ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION)
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
 
 
 def test_kernel_every_kernel_waits_for_its_inputs():
