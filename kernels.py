@@ -75,9 +75,16 @@ MAX_TICKETS = 1 << 16
 RACE_CHUNK = 8192
 RACE_BLOCK_V = 1024
 # linear(): the Triton skinny GEMM takes at most this many rows (max_rows caps it lower; the engine picks
-# by model in build_model), more go to F.linear. At 128-256 rows cuBLAS's tiles reuse each weight tile
-# across enough rows to win by 10-60% on one matmul (H200 sweep); at 16-64 the two are level or Triton ahead.
+# by model in build_model), more go to F.linear.
 LINEAR_MAX_M = 256
+# At 128-256 rows cuBLAS wins on a wide matrix, whose many output tiles fill the GPU and run its better
+# main loop (Qwen3-0.6B's gate/up, 6144 outputs: 7.8 against 9.6 us at 256 rows; the lm_head 134 against
+# 190), but not on a narrow one of at most this many outputs: there it splits K and adds a reduction
+# kernel, with a launch gap before each of its kernels. At 256 rows q/k/v (4096 outputs), o and down (1024)
+# took 6.1-6.2 / 5.6 / 7.3 us against cuBLAS's 6.7 / 6.5 / 7.8, at 128 rows 5.0 / 5.1 / 6.9 against 5.6 /
+# 6.1 / 8.5 (each a 28-layer chain in a CUDA graph, H200, 2026-12-02). So linear() takes a second cap,
+# narrow_rows, for them.
+LINEAR_NARROW_N = 4096
 # ... one row runs on CUDA-core FMAs (one per weight element, ~6% of the H200's fp32 peak at 4.3 TB/s);
 # 2 or more rows pad to a power of two from 16 and run on tl.dot, since 16 FMAs per element would reach
 # that peak and make the arithmetic, not the memory, the limit; a program takes at most this many rows
@@ -97,6 +104,11 @@ LINEAR_DOT_MIN_PROGRAMS = 96
 # took 64 rows of q/k/v, o, gate/up and down from 5.3 / 4.9 / 5.8 / 6.8 to 4.3 / 4.2 / 5.4 / 5.6 us (each
 # timed as a 28-layer chain in a CUDA graph, H200), and 16 rows of q/k/v from 4.4 to 3.6.
 LINEAR_DOT_STAGES = 4
+# ... or more, up to LINEAR_DOT_MAX_STAGES, while the stages' tiles (weight and x) stay within this many bytes
+# of shared memory: at 256 rows o and down's 32 x 64 x 128 tiles (24 KB a stage) took 5.6 and 7.3 us with 5
+# stages against 6.2 and 8.1 with 4 (H200 sweep, 2026-12-02).
+LINEAR_DOT_PIPELINE_BYTES = 120 * 1024
+LINEAR_DOT_MAX_STAGES = 5
 # Weight bytes per program per K step: 16 KB in flight per program (8192 bf16, 4-8 x 16 B loads per
 # thread on the FMA path); two or more programs per SM then keep the ~32 KB per SM in flight that
 # 4.3 TB/s needs at ~1 us DRAM latency.
@@ -1906,9 +1918,10 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
         # 64-256, 4 or 8 warps, 3-5 stages): rows pad to a power of two from 16 (tl.dot's least) up to the
         # row block's cap, which narrows (not below LINEAR_DOT_MAX_BLOCK_M) while it would leave fewer than
         # LINEAR_DOT_MIN_PROGRAMS programs; then the widest BLOCK_N up to 64 (each x chunk reused by more
-        # weight rows) that still leaves them, and the BLOCK_K that makes the larger of the two tiles
-        # LINEAR_TILE_BYTES. E.g. 64 rows of q/k/v: 2 row blocks of 32 x 64 x 128 tiles, 128 programs; of
-        # gate/up: 1 block of 64 x 64 x 128, 96 programs. 4 warps.
+        # weight rows) that still leaves them, and the BLOCK_K that makes the weight tile LINEAR_TILE_BYTES
+        # (x's tile may be larger: at 256 rows of q/k/v, 128 x 64 x 128 tiles took 6.1 us against 7.2 with K
+        # steps of 64, which kept x's tile at 16 KB). E.g. 64 rows of q/k/v: 2 row blocks of 32 x 64 x 128
+        # tiles, 128 programs; of gate/up: 1 block of 64 x 64 x 128, 96 programs. 4 warps.
         cap = LINEAR_DOT_MAX_BLOCK_M if k >= LINEAR_LONG_K else LINEAR_DOT_SHORT_MAX_BLOCK_M
         block_m, block_n, num_warps = min(max(MIN_DOT, _next_pow2(m)), cap), 64, 4
         while (block_m > LINEAR_DOT_MAX_BLOCK_M
@@ -1917,8 +1930,7 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
         row_blocks = triton.cdiv(m, block_m)
         while block_n > MIN_DOT and triton.cdiv(n, block_n) * row_blocks < LINEAR_DOT_MIN_PROGRAMS:
             block_n //= 2
-        tile = max(block_n, block_m)  # the larger of the weight tile [BLOCK_N, BLOCK_K] and x's [BLOCK_K, BLOCK_M]
-        block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (tile * element_size), _next_pow2(k)))
+        block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
         return block_m, block_n, block_k, use_dot, num_warps
     # One row, two tile shapes from an H200 sweep (BLOCK_N 2-32, 8-32 KB tiles, 4 or 8 warps, one call per
     # layer in a CUDA graph) at the shapes of Qwen3-0.6B, Llama-3.2-1B and Llama-3-8B. When a row splits
@@ -1934,6 +1946,16 @@ def _linear_blocks(m: int, n: int, k: int, element_size: int) -> tuple[int, int,
         return 1, block_n, LINEAR_LONG_K, use_dot, 4
     block_k = max(MIN_DOT, min(LINEAR_TILE_BYTES // (block_n * element_size), _next_pow2(k)))
     return 1, block_n, block_k, use_dot, 8
+
+
+def _linear_stages(blocks, element_size: int) -> int:
+    """Pipeline stages for these tiles: 3 on one row; on tl.dot LINEAR_DOT_STAGES, or as many more (up to
+    LINEAR_DOT_MAX_STAGES) as fit LINEAR_DOT_PIPELINE_BYTES."""
+    block_m, block_n, block_k, use_dot, _ = blocks
+    if not use_dot:
+        return 3
+    fit = LINEAR_DOT_PIPELINE_BYTES // ((block_m + block_n) * block_k * element_size)
+    return min(LINEAR_DOT_MAX_STAGES, max(LINEAR_DOT_STAGES, fit))
 
 
 def _linear_prefetch(block_k: int) -> bool:
@@ -1962,18 +1984,21 @@ def _check_linear_args(x, weight, bias, silu_mul: bool) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           max_rows: int = LINEAR_MAX_M, silu_mul: bool = False) -> torch.Tensor:
+           max_rows: int = LINEAR_MAX_M, silu_mul: bool = False, narrow_rows: int = 0) -> torch.Tensor:
     """x [..., K] (last dim contiguous) @ weight [N, K].T + bias [N] -> [..., N] in x's dtype.
 
     For decode: with at most max_rows (<= LINEAR_MAX_M) rows the matmul is a pass over the weight, and one
     program per few weight rows streams it at close to full bandwidth (cuBLAS reaches ~30% of it on small
-    matrices). More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows.
+    matrices). More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows, except
+    on a narrow weight (at most LINEAR_NARROW_N outputs), which stays here up to narrow_rows rows if more.
     silu_mul=True: x is [..., 2K], the MLP's [gate | up], and the input is silu_and_mul(x): made as the
     one-row kernel loads it (one launch less per layer at batch 1), by silu_and_mul for more rows."""
     _check_linear_args(x, weight, bias, silu_mul)
     n, k = weight.shape
     x2 = x.reshape(-1, x.shape[-1])  # [M, K or 2K], a view for the usual contiguous x
     m = x2.shape[0]
+    if n <= LINEAR_NARROW_N:
+        max_rows = max(max_rows, narrow_rows)
     # Only the one-row kernel makes silu * up as it loads. On the tl.dot path every program would make the
     # whole [M, K] input: at 16 rows the down matmul then took 36 us against 7.7 for silu_and_mul and the
     # plain kernel (Qwen3-0.6B, H200).
@@ -1993,7 +2018,7 @@ def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None,
                    norm_weight=None, eps=0.0, num_stages=None):
     """_linear_kernel over x2 [M, K]; with norm_weight, the input is its add + RMSNorm (see
     add_rmsnorm_linear). Unused pointers get x2, which the kernel then never reads. num_stages: the
-    pipeline's depth, LINEAR_DOT_STAGES on tl.dot and 3 on one row unless given (run.py's tile sweep)."""
+    pipeline's depth, _linear_stages's unless given (run.py's tile sweep)."""
     m, (n, k) = x2.shape[0], weight.shape  # K from the weight: with silu_mul x2 is [M, 2K]
     block_m, block_n, block_k, use_dot, num_warps = blocks
     _linear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
@@ -2003,13 +2028,13 @@ def _launch_linear(x2, weight, bias, out, blocks, silu_mul=False, residual=None,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm_weight is not None, ADD=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION=_dot_precision(x2.dtype), **_pdl(x2.device), PREFETCH=_linear_prefetch(block_k),
-        num_warps=num_warps, num_stages=num_stages or (LINEAR_DOT_STAGES if use_dot else 3),
+        num_warps=num_warps, num_stages=num_stages or _linear_stages(blocks, x2.element_size()),
     )
 
 
 def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       max_rows: int = LINEAR_MAX_M) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_rows: int = LINEAR_MAX_M, narrow_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rmsnorm(x + residual) * norm_weight, weight, bias), x + residual): a pre-norm layer's
     add_rmsnorm and the matmul after it, in one kernel for one row (max_rows >= 1) in tiles of at least
     LINEAR_NORM_MIN_BLOCK_N weight rows, as add_rmsnorm and linear otherwise. residual None (the first
@@ -2035,7 +2060,7 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     blocks = _linear_blocks(1, n, k, x.element_size()) if x2.shape[0] == 1 and max_rows >= 1 else None
     if blocks is None or blocks[1] < LINEAR_NORM_MIN_BLOCK_N:
         h, residual = _pre_norm(x, residual, norm_weight, eps, rmsnorm, add_rmsnorm)
-        return linear(h, weight, bias, max_rows), residual
+        return linear(h, weight, bias, max_rows, narrow_rows=narrow_rows), residual
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_linear(x2, weight, bias, out, blocks, residual=residual, new_residual=new_residual,

@@ -172,6 +172,8 @@ class EngineConfig:
     triton: bool | None = None           # None: Triton kernels on CUDA; True runs them on the CPU interpreter too
     triton_linear_rows: int | None = None  # matmuls of up to this many rows in Triton, not cuBLAS (None: by
                                            # the model, see build_model)
+    triton_narrow_rows: int | None = None  # ... and narrow ones (kernels.LINEAR_NARROW_N outputs or fewer) up
+                                           # to this many, if more (None: by the model)
     enforce_eager: bool | None = None    # None: CUDA graphs on CUDA (fused model), eager on the CPU
     graph_buckets: tuple | None = None   # None: graphs.default_buckets(max_num_seqs)
     async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
@@ -196,11 +198,12 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use float32, bfloat16 or float16")
         if self.triton is None:
             self.triton = self.device.startswith("cuda")
-        if self.triton_linear_rows is None and not (self.device.startswith("cuda") and self.triton):
-            self.triton_linear_rows = 0  # the CPU: torch's matmul (the interpreter would only be slower)
-        if self.triton_linear_rows is not None and not 0 <= self.triton_linear_rows <= kernels.LINEAR_MAX_M:
-            raise ValueError(f"triton_linear_rows={self.triton_linear_rows} is invalid: it must be in "
-                             f"[0, {kernels.LINEAR_MAX_M}]")
+        for name in ("triton_linear_rows", "triton_narrow_rows"):
+            rows = getattr(self, name)
+            if rows is None and not (self.device.startswith("cuda") and self.triton):
+                setattr(self, name, 0)  # the CPU: torch's matmul (the interpreter would only be slower)
+            elif rows is not None and not 0 <= rows <= kernels.LINEAR_MAX_M:
+                raise ValueError(f"{name}={rows} is invalid: it must be in [0, {kernels.LINEAR_MAX_M}]")
         if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
             self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
 
@@ -212,23 +215,25 @@ OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "moe_route", "fused_moe", "rope
        "decode_attention", "race_sample")
 
 
-def make_ops(triton: bool, triton_linear_rows: int = 0) -> SimpleNamespace:
+def make_ops(triton: bool, triton_linear_rows: int = 0, triton_narrow_rows: int = 0) -> SimpleNamespace:
     """The kernels the forward calls: Triton launchers, or their plain-torch references (same arguments).
     `linear` is cuBLAS (F.linear), except that matmuls of up to triton_linear_rows rows run a Triton kernel
-    that streams the weights at closer to full bandwidth than cuBLAS manages for so few rows (the default
-    by model size is in build_model)."""
+    that streams the weights at closer to full bandwidth than cuBLAS manages for so few rows, and narrow
+    ones (kernels.LINEAR_NARROW_N outputs or fewer) up to triton_narrow_rows if that is more (the defaults
+    by model size are in build_model)."""
     ops = {name: getattr(kernels, name if triton else name + "_ref") for name in OPS}
-    if triton and triton_linear_rows:
-        ops["linear"] = partial(kernels.linear, max_rows=triton_linear_rows)
+    rows = dict(max_rows=triton_linear_rows, narrow_rows=triton_narrow_rows)
+    if triton and (triton_linear_rows or triton_narrow_rows):
+        ops["linear"] = partial(kernels.linear, **rows)
         # The MLP's down projection of silu(gate) * up: the Triton linear makes its input as it loads it.
-        ops["silu_mul_linear"] = partial(kernels.linear, max_rows=triton_linear_rows, silu_mul=True)
+        ops["silu_mul_linear"] = partial(kernels.linear, **rows, silu_mul=True)
     else:
         silu_and_mul = ops["silu_and_mul"]
         ops["linear"] = F.linear
         ops["silu_mul_linear"] = lambda x, weight, bias=None: F.linear(silu_and_mul(x), weight, bias)
     # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input (one row); with
     # no Triton rows, add_rmsnorm and F.linear (the reference: add_rmsnorm_ref and F.linear).
-    ops["add_rmsnorm_linear"] = (partial(kernels.add_rmsnorm_linear, max_rows=triton_linear_rows) if triton
+    ops["add_rmsnorm_linear"] = (partial(kernels.add_rmsnorm_linear, **rows) if triton
                                  else kernels.add_rmsnorm_linear_ref)
     return SimpleNamespace(**ops)
 
@@ -408,13 +413,15 @@ class Model(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse(self, kernels: bool = True, triton: bool = False, triton_linear_rows: int = 0):
+    def fuse(self, kernels: bool = True, triton: bool = False, triton_linear_rows: int = 0,
+             triton_narrow_rows: int = 0):
         """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed.
         kernels=True also switches to the fused kernels: Triton if triton, else their torch references."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.ops = make_ops(triton=triton and kernels, triton_linear_rows=triton_linear_rows)
+        self.ops = make_ops(triton=triton and kernels, triton_linear_rows=triton_linear_rows,
+                            triton_narrow_rows=triton_narrow_rows)
         self.graph_safe = triton and kernels  # every op a sync-free Triton launch: capturable
         self.requires_grad_(False)  # the fused weights are new Parameters (see ModelRunner.execute)
         return self
@@ -540,8 +547,13 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
         # rows cuBLAS's lm_head is 1.2-1.4x faster, and at Llama-3-8B's shapes cuBLAS is 4-8% faster from
         # 4 rows.
         cfg.triton_linear_rows = 64 if mcfg.hidden_size <= 1024 else 1
+    if cfg.triton_narrow_rows is None:
+        # ... and on a small model its narrow matrices (q/k/v, o and down on Qwen3-0.6B) up to 256 rows, where
+        # cuBLAS still loses on them (kernels.LINEAR_NARROW_N); not measured on bigger models' shapes.
+        cfg.triton_narrow_rows = kernels.LINEAR_MAX_M if mcfg.hidden_size <= 1024 else 0
     if cfg.fuse:
-        model.fuse(kernels=True, triton=cfg.triton, triton_linear_rows=cfg.triton_linear_rows)
+        model.fuse(kernels=True, triton=cfg.triton, triton_linear_rows=cfg.triton_linear_rows,
+                   triton_narrow_rows=cfg.triton_narrow_rows)
     return model.eval().requires_grad_(False), folder  # no autograd: see ModelRunner.execute
 
 

@@ -72,7 +72,8 @@ def cmd_overhead(a):
         if c not in CONFIGS:
             raise ValueError(f"--configs has {c!r}; choose from {', '.join(CONFIGS)}")
     base = dict(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.slots or a.requests,
-                num_blocks=a.num_blocks, triton_linear_rows=a.triton_linear_rows)
+                num_blocks=a.num_blocks, triton_linear_rows=a.triton_linear_rows,
+                triton_narrow_rows=a.triton_narrow_rows)
     EngineConfig(**base)  # bad settings fail here, as one line, before any progress is printed
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     header, records, reference, fused_reference = None, [], None, None
@@ -114,7 +115,7 @@ def overhead_header(engine: Engine, a, device: str) -> dict:
     floor = floor_seconds(engine, a.requests, context, a.bandwidth)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests,
-                triton_linear_rows=engine.cfg.triton_linear_rows,
+                triton_linear_rows=engine.cfg.triton_linear_rows, triton_narrow_rows=engine.cfg.triton_narrow_rows,
                 prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {a.bandwidth / 1e12:.2f} TB/s")
 
@@ -167,7 +168,7 @@ def cmd_generate(a):
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)
     engine = Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                                 triton_linear_rows=a.triton_linear_rows))
+                                 triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows))
     engine.add_request(prompt, params)
     outs = []
     while engine.has_unfinished():
@@ -186,7 +187,7 @@ def cmd_bench(a):
     engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
                                  async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
                                  max_num_batched_tokens=a.max_num_batched_tokens,
-                                 triton_linear_rows=a.triton_linear_rows))
+                                 triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows))
     rng = random.Random(a.seed)
     vocab = engine.model.config.vocab_size
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(a.min_len, a.max_len))],
@@ -248,7 +249,8 @@ def cmd_profile(a):
         if name not in CONFIGS:
             raise ValueError(f"--configs has {name!r}; choose from {', '.join(CONFIGS)}")
         engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
-                                     triton_linear_rows=a.triton_linear_rows, **CONFIGS[name]))
+                                     triton_linear_rows=a.triton_linear_rows,
+                                     triton_narrow_rows=a.triton_narrow_rows, **CONFIGS[name]))
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=a.steps + 20, ignore_eos=True))
@@ -628,7 +630,10 @@ def parse_args(argv=None):
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="bytes/s for the floor")
     common.add_argument("--triton-linear-rows", type=int, default=None,
-                        help="matmuls of up to N rows (0-16) in Triton, not cuBLAS (default: 1 on CUDA, 0 on the CPU)")
+                        help="matmuls of up to N rows (0-256) in Triton, not cuBLAS (default: by the model on CUDA, "
+                             "0 on the CPU)")
+    common.add_argument("--triton-narrow-rows", type=int, default=None,
+                        help="... and narrow ones (<= 4096 outputs) up to N rows, if more (default: by the model)")
     g = sub.add_parser("generate", parents=[common], help="generate from one prompt")
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")

@@ -2032,19 +2032,39 @@ def test_kernel_linear_above_max_m_falls_back_to_f_linear():
 
 def test_triton_linear_rows_setting():
     """Default on the CPU: no Triton matmul; out of range is refused by name."""
-    assert nanoengine.EngineConfig(device="cpu", triton=True).triton_linear_rows == 0
+    cfg = nanoengine.EngineConfig(device="cpu", triton=True)
+    assert cfg.triton_linear_rows == cfg.triton_narrow_rows == 0
     with pytest.raises(ValueError, match="triton_linear_rows=257 is invalid"):
         nanoengine.EngineConfig(device="cpu", triton_linear_rows=257)
+    with pytest.raises(ValueError, match=r"triton_narrow_rows=-1 is invalid: it must be in \[0, 256\]"):
+        nanoengine.EngineConfig(device="cpu", triton_narrow_rows=-1)
+
+
+def test_kernel_linear_keeps_narrow_weights_past_max_rows(monkeypatch):
+    """narrow_rows: a weight of at most LINEAR_NARROW_N outputs stays on the Triton kernel up to that many
+    rows; a wider one goes to F.linear past max_rows."""
+    calls = []
+    f_linear = F.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(a[1].shape[0]) or f_linear(*a))
+    x = _randn(3, 32, seed=17)
+    narrow, wide = _randn(64, 32, seed=18), _randn(kernels.LINEAR_NARROW_N + 1, 32, seed=19)
+    out = kernels.linear(x, narrow, max_rows=1, narrow_rows=3)
+    assert calls == [] and out.shape == (3, 64)
+    torch.testing.assert_close(out, x @ narrow.T, atol=1e-4, rtol=1e-4)
+    kernels.linear(x, narrow, max_rows=1, narrow_rows=2)  # more rows than either cap
+    kernels.linear(x, wide, max_rows=1, narrow_rows=3)
+    assert calls == [64, kernels.LINEAR_NARROW_N + 1]
 
 
 @needs_cuda
 def test_gpu_triton_linear_rows_default():
-    """On CUDA the Triton matmul takes up to 64 rows on a small model (hidden size <= 1024) and one row
-    on a bigger one."""
+    """On CUDA the Triton matmul takes up to 64 rows on a small model (hidden size <= 1024), its narrow
+    matrices up to 256, and one row on a bigger one."""
     assert nanoengine.build_model(nanoengine.EngineConfig(model="tiny", device="cuda"))[0].ops.linear.keywords == \
-        {"max_rows": 64}
+        {"max_rows": 64, "narrow_rows": kernels.LINEAR_MAX_M}
     big = nanoengine.EngineConfig(model="llama-3.2-1b", device="cuda")
-    assert nanoengine.build_model(big)[0].ops.linear.keywords == {"max_rows": 1} and big.triton_linear_rows == 1
+    assert nanoengine.build_model(big)[0].ops.linear.keywords == {"max_rows": 1, "narrow_rows": 0}
+    assert big.triton_linear_rows == 1 and big.triton_narrow_rows == 0
 
 
 def test_kernel_linear_empty():
@@ -2082,11 +2102,30 @@ def test_kernel_linear_block_choice(m):
         # Two programs per SM for one row, one for tl.dot, unless the narrowest block allowed gives fewer.
         least = kernels.LINEAR_DOT_MIN_PROGRAMS if use_dot else kernels.MIN_PROGRAMS
         assert programs >= least or block_n == (kernels.MIN_DOT if use_dot else 1), name
-        # the larger tile, weight's [BLOCK_N, BLOCK_K] or x's [BLOCK_K, BLOCK_M], fills the budget
-        assert max(block_n, block_m) * block_k * 2 == kernels.LINEAR_TILE_BYTES or block_k >= k, name
+        # the weight's tile [BLOCK_N, BLOCK_K] fills the budget (x's [BLOCK_K, BLOCK_M] may be larger)
+        assert block_n * block_k * 2 == kernels.LINEAR_TILE_BYTES or block_k >= k, name
+        # and the pipeline is LINEAR_DOT_STAGES deep, deeper while small tiles fit the shared-memory budget
+        stages = kernels._linear_stages((block_m, block_n, block_k, use_dot, num_warps), 2)
+        stage_bytes = (block_m + block_n) * block_k * 2
+        if not use_dot:
+            assert stages == 3, name
+        elif stages > kernels.LINEAR_DOT_STAGES:
+            assert stages <= kernels.LINEAR_DOT_MAX_STAGES and stages * stage_bytes <= kernels.LINEAR_DOT_PIPELINE_BYTES
+        else:
+            assert stages == kernels.LINEAR_DOT_STAGES and (stages + 1) * stage_bytes > kernels.LINEAR_DOT_PIPELINE_BYTES
         long_rows = not use_dot and k % kernels.LINEAR_LONG_K == 0  # e.g. Llama's K = 2048, 8192
         assert num_warps == (4 if use_dot or long_rows else 8), name
         assert block_k == kernels.LINEAR_LONG_K or not long_rows, name
+
+
+def test_kernel_linear_tiles_at_256_rows():
+    """The sweep's best tiles at 256 rows of Qwen3-0.6B (2026-12-02): q/k/v 128 x 64 x 128 (x's tile wider
+    than the weight's), o and down 32 x 64 x 128 in 5 stages."""
+    for name, want in [("qwen3_0.6b_qkv", (128, 64, 128, 4)), ("qwen3_0.6b_o", (32, 64, 128, 5)),
+                       ("qwen3_0.6b_down", (32, 64, 128, 5))]:
+        k, n = SHAPES[name]
+        blocks = kernels._linear_blocks(256, n, k, 2)
+        assert (*blocks[:3], kernels._linear_stages(blocks, 2)) == want, name
 
 
 # ---------------------------------------------------------------------------------------------------
