@@ -173,7 +173,8 @@ class EngineConfig:
     triton_linear_rows: int | None = None  # matmuls of up to this many rows in Triton, not cuBLAS (None: by
                                            # the model, see build_model)
     triton_narrow_rows: int | None = None  # ... and narrow ones (kernels.LINEAR_NARROW_N outputs or fewer) up
-                                           # to this many, if more (None: by the model)
+                                           # to this many, if more (None: by the model; 0 when
+                                           # triton_linear_rows is given)
     enforce_eager: bool | None = None    # None: CUDA graphs on CUDA (fused model), eager on the CPU
     graph_buckets: tuple | None = None   # None: graphs.default_buckets(max_num_seqs)
     async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
@@ -537,6 +538,12 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     else:
         load_weights(model, folder)
     model.cos_sin = rope_cos_sin(mcfg, max_model_len(cfg, mcfg), cfg.device)
+    if cfg.triton_narrow_rows is None:
+        # On a small model its narrow matrices (q/k/v, o and down on Qwen3-0.6B) take the Triton matmul up to
+        # 256 rows, where cuBLAS still loses on them (kernels.LINEAR_NARROW_N); not measured on bigger models'
+        # shapes. A triton_linear_rows given alone means what it says: that many rows, for every matmul.
+        small = cfg.triton_linear_rows is None and mcfg.hidden_size <= 1024
+        cfg.triton_narrow_rows = kernels.LINEAR_MAX_M if small else 0
     if cfg.triton_linear_rows is None:
         # On CUDA the Triton matmul takes one row on every model: it streams a decode matrix faster than
         # cuBLAS (Qwen3-0.6B's matmuls 554 against 962 us a step, H200). Up to 64 rows only on small
@@ -547,10 +554,6 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
         # rows cuBLAS's lm_head is 1.2-1.4x faster, and at Llama-3-8B's shapes cuBLAS is 4-8% faster from
         # 4 rows.
         cfg.triton_linear_rows = 64 if mcfg.hidden_size <= 1024 else 1
-    if cfg.triton_narrow_rows is None:
-        # ... and on a small model its narrow matrices (q/k/v, o and down on Qwen3-0.6B) up to 256 rows, where
-        # cuBLAS still loses on them (kernels.LINEAR_NARROW_N); not measured on bigger models' shapes.
-        cfg.triton_narrow_rows = kernels.LINEAR_MAX_M if mcfg.hidden_size <= 1024 else 0
     if cfg.fuse:
         model.fuse(kernels=True, triton=cfg.triton, triton_linear_rows=cfg.triton_linear_rows,
                    triton_narrow_rows=cfg.triton_narrow_rows)
