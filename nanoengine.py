@@ -810,7 +810,7 @@ class ModelRunner:
         temperature = self.temperature[srows]
         ints64, ints32, floats = self.staging.to_device(
             [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src],
-            [qsl, seq_lens.astype(np.int32), self.table[rows, :self._width(seq_lens)]],
+            [qsl, seq_lens.astype(np.int32), self._block_table(rows, seq_lens)],
             [temperature, self.top_p[srows]])
         batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
                       query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
@@ -829,8 +829,12 @@ class ModelRunner:
         bs = self.block_size
         return self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
 
-    def _width(self, seq_lens: np.ndarray) -> int:
-        return -(-int(seq_lens.max()) // self.block_size)  # block-table columns the longest request needs
+    def _block_table(self, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """These rows of the block table, as many columns as the longest request needs. Columns first,
+        then rows: numpy's mixed indexing, table[rows, :width], cost ~140 us at 256 rows after a forward
+        on the 2-core CPU, against ~30 for a view's rows (both ~4 us when repeated)."""
+        width = -(-int(seq_lens.max()) // self.block_size)
+        return self.table[:, :width][rows]
 
     def _prepare_steady(self, out) -> tuple[Batch, SamplingBatch, tuple]:
         """A decode of the same requests as last step: their inputs are last step's sampled tokens, on
@@ -863,7 +867,7 @@ class ModelRunner:
         seq_lens = pos + 1
         ints64 = np.stack([pos, self._slots(rows, pos), seq_lens])
         return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
-                          seq_lens=seq_lens.astype(np.int32), block_table=self.table[rows, :self._width(seq_lens)],
+                          seq_lens=seq_lens.astype(np.int32), block_table=self._block_table(rows, seq_lens),
                           query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
 
     def _advance(self, d: DecodeRows, out):
@@ -878,7 +882,7 @@ class ModelRunner:
             self.table[rows, cols] = blocks
             self.row_nblocks[rows] = cols + 1
             d.ints64[1, entering] = blocks * self.block_size
-            d.block_table = self.table[d.rows, :self._width(d.seq_lens)]
+            d.block_table = self._block_table(d.rows, d.seq_lens)
 
     def _prepare_mixed(self, out, rows, starts):
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
