@@ -498,7 +498,7 @@ def bench_kernels(groups=DEFAULT_KERNEL_GROUPS, out_lines: list | None = None) -
 
 
 LINEAR_REP_MS = 5  # timed replay per measurement; 84 measurements keep the run near 30 s
-LINEAR_M = (1, 4, 16, 64)  # decode batch sizes the Triton linear may serve (triton_linear_rows)
+LINEAR_M = (1, 4, 16, 64)  # decode batch sizes the Triton linear serves on every matrix (128-256: tiles)
 ROTATE_BYTES = 192 * 2**20  # weight copies cycled per shape: over 3x the 60 MB L2
 # (K, N) of each matrix; layers = how often a decode step reads it.
 LINEAR_SHAPES = {
