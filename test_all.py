@@ -702,18 +702,24 @@ def test_fused_equals_unfused_and_costs_no_memory(preset):
     assert nanoengine.param_bytes(model) == before
 
 
-@pytest.mark.parametrize("rows", [0, 16])
-def test_triton_kernels_end_to_end_equal_unfused(tmp_path, rows):
-    """The whole fused forward on the Triton kernels (the interpreter on the CPU), MoE included."""
+@pytest.mark.parametrize("rows,narrow", [(0, 0), (16, 0), (1, 16)])
+def test_triton_kernels_end_to_end_equal_unfused(tmp_path, monkeypatch, rows, narrow):
+    """The whole fused forward on the Triton kernels (the interpreter on the CPU), MoE included; the
+    Triton matmul for every matrix up to `rows` rows, or (narrow) for this small model's narrow ones."""
     cfg, sd = checkpoint("qwen3_moe", seed=12)
     folder = save_checkpoint(tmp_path / "moe", cfg, sd)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5]]
     dev = dict(device="cuda", dtype="float32", num_blocks=256) if CUDA else {}  # interpreter on the CPU
     unfused = LLM(model=folder, fuse=False, **dev).generate(prompts, greedy(3))
-    llm = LLM(model=folder, fuse=True, triton=True, triton_linear_rows=rows, **dev)
+    llm = LLM(model=folder, fuse=True, triton=True, triton_linear_rows=rows, triton_narrow_rows=narrow,
+              **dev)
     assert llm.engine.model.ops.paged_attention is kernels.paged_attention
-    assert (getattr(llm.engine.model.ops.linear, "func", None) is kernels.linear) == (rows > 0)
+    assert (getattr(llm.engine.model.ops.linear, "func", None) is kernels.linear) == (rows + narrow > 0)
+    launched, launch = [], kernels._launch_linear
+    monkeypatch.setattr(kernels, "_launch_linear",
+                        lambda x2, *a, **kw: launched.append(x2.shape[0]) or launch(x2, *a, **kw))
     triton_out = llm.generate(prompts, greedy(3))
+    assert any(m > rows for m in launched) == (narrow > 0), "narrow matmuls past `rows` ran the Triton kernel"
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in unfused]
     assert [o.token_ids for o in unfused] == [ref_greedy(sd, cfg, p, 3) for p in prompts]
 
