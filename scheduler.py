@@ -178,12 +178,9 @@ class BlockManager:
     def take(self, n: int) -> list[int]:
         """n blocks, each with one user; the caller has checked that there are enough free."""
         assert n <= self.num_free_blocks, f"{n} blocks asked, {self.num_free_blocks} free"
-        free, take, ref_count = self.free, self._take, self.ref_count
-        # Never-published blocks first, in one tight loop (a block boundary at 256 requests takes 128 or so)
-        blocks = [free.popleft() for _ in range(min(n, len(free)))]
-        blocks += [take() for _ in range(n - len(blocks))]  # then evict cached ones, oldest first
+        blocks = [self._take() for _ in range(n)]
         for block in blocks:
-            ref_count[block] = 1
+            self.ref_count[block] = 1
         return blocks
 
     def publish(self, req: Request, num_tokens: int):
@@ -210,13 +207,11 @@ class BlockManager:
         """Publish the blocks req filled while decoding (their KV is written, or queued to be), then give
         its blocks back; the tail first, so that the LRU evicts a prefix's last blocks before its first."""
         self.publish(req, req.num_computed_tokens)
-        ref_count, key_of = self.ref_count, self.key_of
         for block in reversed(req.block_ids):
-            n = ref_count[block] - 1
-            assert n >= 0, f"block {block} freed twice"
-            ref_count[block] = n
-            if n == 0:
-                if key_of[block] is None:
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, f"block {block} freed twice"
+            if self.ref_count[block] == 0:
+                if self.key_of[block] is None:
                     self.free.append(block)
                 else:
                     self.cached_free[block] = None
@@ -408,8 +403,7 @@ class Scheduler:
         blocks = self.blocks.take(len(due))
         for i, block in zip(due.tolist(), blocks):  # the one loop over requests, at a block boundary
             reqs[i].block_ids.append(block)
-        # Each is at a block's start (count < last), so it is next due a block on, or at its last
-        s.attend_at[due] = np.minimum(counts + bs, lasts)  # (attention_at(counts + 1), in fewer operations)
+        s.attend_at[due] = attention_at(counts + 1, lasts, bs)  # the next block's start, or the last
         return due, np.array(blocks, dtype=np.int64)
 
     def _drop_steady(self):
