@@ -16,6 +16,7 @@ This file imports nothing from the rest of nanoengine. Tests: the kernel section
 """
 
 import functools
+import math
 
 import torch
 import triton
@@ -45,6 +46,26 @@ MOE_DECODE_MAX_TOKENS = 4
 MOE_DECODE_GATE_UP_BLOCKS = (8, 128, 8)
 # Paged attention: keys per tile (a tile spans several paged blocks, gathered token by token).
 ATTN_BLOCK_N = 64
+# Decode attention over short contexts packs several kv heads of a request into one program. With one
+# program per (request, kv head), a program of a short context is a chain of dependent round trips (the
+# lengths, the block table, K and V) with little work between, and a big batch waits on them wave after
+# wave. A program that takes several kv heads loads their keys side by side as one tile (a token's kv
+# heads are adjacent in the cache) and masks each query row to its own head's columns. Heads are packed
+# until the grid is down to about this many programs (2 per SM of an H200): Qwen3-0.6B heads, RoPE
+# inside, 28-layer chains in a graph (H200, 2026-12-02), us a layer at 33-64-key contexts: 64 requests,
+# 2 heads a program, 9.17 against 9.75; 128 requests, 4 heads, 13.4 against 15.5; 256, 8 heads, 21.3
+# against 24.6 ...
+ATTN_PACK_PROGRAMS = 256
+# ... but only when the host knows every context is at most this many keys (decode_attention's
+# max_seq_len): every masked column still costs its share of the tile's exp2 and dot. At 65-128 keys
+# packing still won (256 requests 35.1 against 38.7 us, 128: 21.3 against 22.8, 64: level), at 256 x
+# 100-1,024 keys 4 heads a program lost (189 against 156). The graph runner captures a graph for each
+# side of this bound (decode_context_bounds) and replays the one the batch's longest context allows.
+ATTN_PACK_MAX_CONTEXT = 128
+# ... and a packed program's key tiles have 128 columns (keys x heads), in 3 stages: the sweep's best
+# (64 columns: 25.1 us at 256 x 33-64; 2 stages within 3%).
+ATTN_PACK_BLOCK_N = 128
+ATTN_PACK_STAGES = 3
 # Paged attention: query rows (query tokens x heads of one kv group) per program at prefill.
 ATTN_PREFILL_BLOCK_M = 64
 # Split-KV: aim for this many programs per SM so decode at small batch still fills the GPU; a decode
@@ -1320,7 +1341,9 @@ def _attend_tiles(
     k_cache_ptr,
     v_cache_ptr,
     block_table_row_ptr,  # this request's row of the block table
-    kv_head_off,  # kv head * stride_cache_head
+    kv_head_off,  # (first) kv head * stride_cache_head
+    row_head,  # [BLOCK_M] each row's kv head among the program's packed ones (0 unless PACK_SHIFT)
+    stride_cache_head,
     stride_cache_block,
     stride_cache_tok,
     kv_end,  # keys [0, kv_end) may be visible to some row of this tile
@@ -1330,20 +1353,29 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns of a key tile: BLOCK_N >> PACK_SHIFT keys x 2^PACK_SHIFT kv heads
+    PACK_SHIFT: tl.constexpr,  # log2 of the kv heads a program packs (0: one)
     DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over key tiles; returns the running (max, sum, unnormalised output)."""
     dims = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_N)
+    # Column c is key c >> PACK_SHIFT of the tile, in packed kv head c & (2^PACK_SHIFT - 1): a key's kv
+    # heads sit side by side in the cache, so a tile reads runs of 2^PACK_SHIFT * HEAD_DIM elements.
+    col_head = cols & ((1 << PACK_SHIFT) - 1)
     for tile in range(tile_lo, tile_hi):
-        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        keys = tile * (BLOCK_N >> PACK_SHIFT) + (cols >> PACK_SHIFT)
         key_ok = keys < kv_end
         # A tile spans several pages: look up each key's page, so any page size works.
         page = tl.load(block_table_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-        kv_offs = page * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok + kv_head_off
+        kv_offs = (page * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok + kv_head_off
+                   + col_head * stride_cache_head)
         k = tl.load(k_cache_ptr + kv_offs[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where((keys[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        if PACK_SHIFT > 0:  # a row scores only its own head's columns; the others' p is 0, so P @ V stays per head
+            visible = visible & (col_head[None, :] == row_head[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -1396,8 +1428,9 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # (packed decode: at least 2^PACK_SHIFT * GROUP_PAD)
     BLOCK_N: tl.constexpr,
+    PACK_SHIFT: tl.constexpr,  # decode: each program takes 2^PACK_SHIFT kv heads (ATTN_PACK_PROGRAMS)
     SPLIT: tl.constexpr,  # num_splits > 1 (a run-time count, so every count shares one compiled kernel)
     MIN_SPLIT_TILES: tl.constexpr,  # key tiles a split covers at least
     MERGE_FAN_IN: tl.constexpr,  # splits merged per group (the first level of the merge tree)
@@ -1409,7 +1442,7 @@ def _paged_attention_kernel(
 ):
     _wait_for_inputs(PDL, RELEASE_NEXT=False)  # see there: the next kernel launches as this one exits
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) << PACK_SHIFT  # the first of this program's kv heads
     # Query tiles in reverse: under the causal mask the last tiles see the most keys, and launching
     # them first keeps them from running alone at the end of a prefill.
     if SPLIT:
@@ -1434,8 +1467,10 @@ def _paged_attention_kernel(
         if q_tile * BLOCK_Q >= q_len:
             return
     rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] query token within the request
-    head = kv_head * GROUP + rows % GROUP_PAD
+    # Row r is query head r % GROUP_PAD of packed kv head row_head (0 unless PACK_SHIFT) of token q_idx.
+    row_head = (rows // GROUP_PAD) & ((1 << PACK_SHIFT) - 1)
+    q_idx = q_tile * BLOCK_Q + ((rows // GROUP_PAD) >> PACK_SHIFT)  # [BLOCK_M] query token within the request
+    head = (kv_head + row_head) * GROUP + rows % GROUP_PAD
     row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
     token = (q_start + q_idx).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
@@ -1452,10 +1487,15 @@ def _paged_attention_kernel(
         swap = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half's partner of each dim
         q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
         q_swap = tl.load(q_rows + swap[None, :], mask=row_ok[:, None], other=0.0)
-        k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_head * stride_kh
-        k = tl.load(k_row + dims)[None, :]  # [1, HEAD_DIM]
-        k_swap = tl.load(k_row + swap)[None, :]
-        v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_head * stride_vh + dims)[None, :]
+        # The new key and value of the rows' kv head: [1, HEAD_DIM], or packed, a row each [BLOCK_M, HEAD_DIM].
+        if PACK_SHIFT > 0:
+            kv_of = (kv_head + row_head)[:, None]
+        else:
+            kv_of = tl.zeros([1, 1], dtype=tl.int32) + kv_head
+        k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
+        k = tl.load(k_row + dims[None, :])
+        k_swap = tl.load(k_row + swap[None, :])
+        v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_of * stride_vh + dims[None, :])
         slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
         pos = tl.load(positions_ptr + req).to(tl.int64)
         half = dims % (HEAD_DIM // 2)
@@ -1468,9 +1508,14 @@ def _paged_attention_kernel(
             k = _rope_tile(k, k_swap, swap, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM)
             k = k.to(k_cache_ptr.dtype.element_ty)
             slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows write to the scratch block
-            slot_ptr = slot * stride_cache_tok + kv_head * stride_cache_head + dims[None, :]
-            tl.store(k_cache_ptr + slot_ptr, k)
-            tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty))
+            slot_ptr = slot * stride_cache_tok + kv_of * stride_cache_head + dims[None, :]
+            if PACK_SHIFT > 0:  # the first query row of each packed kv head writes it
+                writes = ((rows % GROUP_PAD == 0) & (rows < (GROUP_PAD << PACK_SHIFT)))[:, None]
+                tl.store(k_cache_ptr + slot_ptr, k, mask=writes)
+                tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty), mask=writes)
+            else:
+                tl.store(k_cache_ptr + slot_ptr, k)
+                tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty))
             if seq_len > 0:  # the new key: p = 1 against a running max of its own score
                 m = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
                 l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
@@ -1482,7 +1527,7 @@ def _paged_attention_kernel(
     if ROPE:
         kv_end -= 1  # the new key is already counted, from registers
     kv_end = tl.maximum(kv_end, 0)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
     # The split count is fixed at launch for the longest context the block table allows; this tile uses
     # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
     # zeros of a seq_len-0 row). The rest exit here, and the merge reads only the used ones.
@@ -1500,8 +1545,8 @@ def _paged_attention_kernel(
     q_pos = seq_len - q_len + q_idx
     m, l, acc = _attend_tiles(
         q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
-        kv_head * stride_cache_head, stride_cache_block, stride_cache_tok, kv_end, tile_lo, tile_hi,
-        qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION,
+        kv_head * stride_cache_head, row_head, stride_cache_head, stride_cache_block, stride_cache_tok, kv_end,
+        tile_lo, tile_hi, qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, PACK_SHIFT, DOT_PRECISION,
     )
     row = token * NUM_HEADS + head  # [BLOCK_M] (token, head) row of out
     if SPLIT:
@@ -1515,7 +1560,7 @@ def _paged_attention_kernel(
             # Tickets: one per (request, kv head, query tile) counts its groups done; after those, one per
             # group counts its splits done.
             q_tiles = tl.num_programs(2) // num_splits
-            tile_id = (req * tl.num_programs(1) + kv_head) * q_tiles + q_tile
+            tile_id = (req * tl.num_programs(1) + tl.program_id(1)) * q_tiles + q_tile
             num_tile_ids = tl.num_programs(0) * tl.num_programs(1) * q_tiles
             groups = tl.cdiv(splits_used, MERGE_FAN_IN)
             first = split // MERGE_FAN_IN * MERGE_FAN_IN
@@ -1604,6 +1649,20 @@ def _past_one_wave(programs: int, device: torch.device) -> bool:
     return programs > ATTN_PROGRAMS_PER_SM * _sm_count(device)
 
 
+def _decode_pack(b: int, hkv: int) -> int:
+    """kv heads a decode program takes when every context is short (ATTN_PACK_PROGRAMS): a power of two
+    that divides hkv, as many as still leave ATTN_PACK_PROGRAMS programs; 1 (no packing) below that."""
+    most = b * hkv // max(ATTN_PACK_PROGRAMS, 1)
+    return math.gcd(hkv, 1 << (most.bit_length() - 1)) if most > 1 else 1
+
+
+def decode_context_bounds(b: int, hkv: int) -> tuple[int, ...]:
+    """The longest contexts (decode_attention's max_seq_len) up to which a decode batch of b requests
+    runs other tiles than past them: (ATTN_PACK_MAX_CONTEXT,) where it packs kv heads, else (). A CUDA
+    graph fixes the tiles, so the graph runner captures one graph per side of each bound."""
+    return (ATTN_PACK_MAX_CONTEXT,) if _decode_pack(b, hkv) > 1 else ()
+
+
 def _attention_num_splits(programs: int, max_splits: int, device: torch.device) -> int:
     """Split the KV range only when the grid would leave SMs idle (decode at small batch, long context).
     Called only when each request's queries fit one tile: a prefill gets its programs from its query
@@ -1682,6 +1741,7 @@ def decode_attention(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     *,
+    max_seq_len: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """rope_write_kv, then paged_attention, for a decode batch (one new token per request: token b is
@@ -1691,26 +1751,36 @@ def decode_attention(
 
     A bigger batch takes the two launches: fused, each program waits one more round trip (cos and sin
     need its position) before its first K/V load, once per wave of programs, and at 256 requests that
-    cost more than the launch saves (935 against 692 us of attention per Qwen3-0.6B step, H200)."""
+    cost more than the launch saves (935 against 692 us of attention per Qwen3-0.6B step, H200).
+
+    max_seq_len is a host-side bound on seq_lens (None: not known). At most ATTN_PACK_MAX_CONTEXT, a big
+    batch packs several kv heads into a program, and the packed programs count as one: at 256 requests x
+    33-64 keys, 8 heads a program fit one wave, so one launch of 21.3 us a layer replaced two of 24.6 (H200)."""
     _check_attention_args(q, k_cache, v_cache, None, seq_lens, block_table, 1)
     _check_rope_args(q, k, positions, cos_sin_cache, q_norm_weight, k_norm_weight)
     _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
-    b = seq_lens.shape[0]
-    if _past_one_wave(b * k.shape[1], q.device):
+    b, hkv = seq_lens.shape[0], k.shape[1]
+    short = max_seq_len is not None and max_seq_len <= ATTN_PACK_MAX_CONTEXT
+    heads = _decode_pack(b, hkv) if short and (num_splits or 1) == 1 else 1
+    if _past_one_wave(b * hkv // heads, q.device):
         rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
                       k_norm_weight, eps)
         # seq_lens stands in for query_start_loc, which a decode launch never reads
-        return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope=None)
+        return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope=None,
+                          heads=heads)
     has_norm = q_norm_weight is not None
     rope = (k, v, slot_mapping, positions, (k_cache.shape[0] - 1) * k_cache.shape[1], cos_sin_cache,
             q_norm_weight if has_norm else cos_sin_cache, k_norm_weight if has_norm else cos_sin_cache, eps,
             has_norm)
     # seq_lens stands in for query_start_loc, which a decode launch never reads
-    return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope=rope)
+    return _attention(q, k_cache, v_cache, seq_lens, seq_lens, block_table, scale, 1, num_splits, rope=rope,
+                      heads=heads)
 
 
 def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, num_splits,
-               rope) -> torch.Tensor:
+               rope, heads=1) -> torch.Tensor:
+    """The launch behind paged_attention and decode_attention; heads > 1: a decode batch of short contexts,
+    that many kv heads a program (see ATTN_PACK_PROGRAMS), if it does not split."""
     t, h, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     b = seq_lens.shape[0]
@@ -1738,6 +1808,12 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
     # 26.2K, H200), so one choice serves every batch, and a graph and an eager step run the same tiles.
     decode = max_query_len == 1 and t == b
     warps, stages = (8 if block_m >= 128 else 4), (2 if q_tiles == 1 else 3)
+    if not decode or num_splits > 1:
+        heads = 1
+    if heads > 1:  # rows: heads x GROUP_PAD; key tiles of 128 columns (keys x heads), 32 KB at bf16 x 128 dims
+        block_m = max(MIN_DOT, heads * _next_pow2(group))
+        block_n = max(MIN_DOT, heads, min(ATTN_PACK_BLOCK_N, 16384 // d))
+        stages = ATTN_PACK_STAGES
     if num_splits > 1:
         part_out = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, t, h, 2), dtype=torch.float32, device=q.device)
@@ -1747,13 +1823,14 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
     # decode_attention's new keys and RoPE inputs; without them, stand-ins the kernel never reads
     k, v, slot_mapping, positions, scratch_slot, cos_sin, q_norm, k_norm, eps, has_norm = \
         rope or (q, q, seq_lens, seq_lens, 0, q, q, q, 0.0, False)
-    _paged_attention_kernel[(b, hkv, q_tiles * num_splits)](
+    _paged_attention_kernel[(b, hkv // heads, q_tiles * num_splits)](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out, part_out, part_ml, tickets, t, num_splits,
         k, v, slot_mapping, positions, scratch_slot, cos_sin, q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PACK_SHIFT=heads.bit_length() - 1,
+        SPLIT=num_splits > 1,
         MIN_SPLIT_TILES=min_split_tiles, MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
         DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
         ROPE=rope is not None, HAS_NORM=has_norm, **_pdl(q.device), num_warps=warps, num_stages=stages,
@@ -1804,8 +1881,9 @@ def paged_attention_ref(
 
 
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_lens, block_table, cos_sin_cache,
-                         scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6) -> torch.Tensor:
-    """rope_write_kv_ref (q rotated in place), then paged_attention_ref: what decode_attention does."""
+                         scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, max_seq_len=None) -> torch.Tensor:
+    """rope_write_kv_ref (q rotated in place), then paged_attention_ref: what decode_attention does
+    (max_seq_len only picks decode_attention's tiles)."""
     rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
                       k_norm_weight, eps)
     qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=q.device)

@@ -223,6 +223,8 @@ def make_ops(triton: bool, triton_linear_rows: int = 0, triton_narrow_rows: int 
     ones (kernels.LINEAR_NARROW_N outputs or fewer) up to triton_narrow_rows if that is more (the defaults
     by model size are in build_model)."""
     ops = {name: getattr(kernels, name if triton else name + "_ref") for name in OPS}
+    # The context lengths at which decode attention changes its tiles (the graph runner's concern)
+    ops["decode_context_bounds"] = kernels.decode_context_bounds if triton else lambda b, hkv: ()
     rows = dict(max_rows=triton_linear_rows, narrow_rows=triton_narrow_rows)
     if triton and (triton_linear_rows or triton_narrow_rows):
         ops["linear"] = partial(kernels.linear, **rows)
@@ -303,7 +305,8 @@ class Attention(nn.Module):
             # Decode (one token per request, at position seq_len - 1): up to a batch that fills the GPU,
             # the attention kernel rotates q and k itself and writes k and v to the cache: one launch.
             o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions,
-                                     batch.seq_lens, batch.block_table, cos_sin, self.scale, qn, kn, self.eps)
+                                     batch.seq_lens, batch.block_table, cos_sin, self.scale, qn, kn, self.eps,
+                                     max_seq_len=batch.max_seq_len)
         else:
             # q rotated in place; k rotated into its cache slot, v beside it ((per-head norm), rotary, store)
             ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn,
@@ -434,6 +437,11 @@ class Model(nn.Module):
             x, residual = layer(x, residual, batch, kv_cache[0, i], kv_cache[1, i], self.cos_sin, self.ops)
         x, _ = add_norm(x, residual, self.model.norm.weight, self.config.rms_norm_eps, self.ops)
         return x
+
+    def decode_context_bounds(self, b: int) -> tuple[int, ...]:
+        """Longest contexts up to which a decode of b requests runs other kernels than past them (see
+        kernels.decode_context_bounds): a graph per side of each."""
+        return self.ops.decode_context_bounds(b, self.config.num_kv_heads)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # (S, vocab) in the model's dtype. The sampler reads it as float32 in registers: a float32 copy
@@ -584,6 +592,7 @@ class Batch:
     block_table: torch.Tensor      # (B, max_blocks) int32
     logits_indices: torch.Tensor   # (S,) int64: the rows whose next token is sampled
     max_query_len: int             # host-side bound on tokens per request; sizes the attention grid
+    max_seq_len: int               # host-side bound on seq_lens: short contexts take other decode tiles
 
 
 @dataclass
@@ -698,6 +707,7 @@ class DecodeRows:
     rows64: tuple                  # ints64's three rows, as views: staged as they are, so that on the CPU
                                    # each is one same array every step (Staging reuses its view)
     seq_lens: np.ndarray           # (n,) int32
+    max_seq_len: int               # seq_lens.max(), moved on with it
     block_table: np.ndarray        # (n, width) int32: the columns this step's longest request needs
     query_start_loc: torch.Tensor  # (n + 1,) int32 on the device: 0, 1, ..., n
     logits_indices: torch.Tensor   # (n,) int64 on the device: every row samples
@@ -808,13 +818,14 @@ class ModelRunner:
         else:
             fills = src = np.zeros(0, dtype=np.int64)
         temperature = self.temperature[srows]
+        max_seq_len = int(seq_lens.max())
         ints64, ints32, floats = self.staging.to_device(
             [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src],
-            [qsl, seq_lens.astype(np.int32), self._block_table(rows, seq_lens)],
+            [qsl, seq_lens.astype(np.int32), self._block_table(rows, max_seq_len)],
             [temperature, self.top_p[srows]])
         batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
                       query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
-                      logits_indices=ints64[3], max_query_len=max_query_len)
+                      logits_indices=ints64[3], max_query_len=max_query_len, max_seq_len=max_seq_len)
         if same_rows:  # every input is the token the same row sampled last step
             batch.input_ids.copy_(self.prev_tokens)
         elif len(fills):
@@ -829,12 +840,12 @@ class ModelRunner:
         bs = self.block_size
         return self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
 
-    def _block_table(self, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
         """These rows of the block table, as many columns as the longest request needs. Columns first,
         then rows: numpy's mixed indexing, table[rows, :width], was the slowest line of a boundary step
         at 256 requests on the 2-core CPU, right after a forward (a line profile: ~140 against ~30 us;
         both ~4 us when repeated; interleaved runs found such a step ~25 us faster)."""
-        width = -(-int(seq_lens.max()) // self.block_size)
+        width = -(-max_seq_len // self.block_size)
         return self.table[:, :width][rows]
 
     def _prepare_steady(self, out) -> tuple[Batch, SamplingBatch, tuple]:
@@ -849,7 +860,7 @@ class ModelRunner:
             list(d.rows64), [d.seq_lens, d.block_table])
         batch = Batch(input_ids=self.prev_tokens, positions=positions, slot_mapping=slots,
                       query_start_loc=d.query_start_loc, seq_lens=seq_lens, block_table=block_table,
-                      logits_indices=d.logits_indices, max_query_len=1)
+                      logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
         d.sampling.counters = counters
         return batch, d.sampling, out.requests
 
@@ -866,9 +877,10 @@ class ModelRunner:
                                  counters=None, all_greedy=not temperature.any(),
                                  need_filter=bool(self.filtered[rows].any()))
         seq_lens = pos + 1
-        ints64 = np.stack([pos, self._slots(rows, pos), seq_lens])
+        ints64, max_seq_len = np.stack([pos, self._slots(rows, pos), seq_lens]), int(seq_lens.max())
         return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
-                          seq_lens=seq_lens.astype(np.int32), block_table=self._block_table(rows, seq_lens),
+                          seq_lens=seq_lens.astype(np.int32), max_seq_len=max_seq_len,
+                          block_table=self._block_table(rows, max_seq_len),
                           query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
 
     def _advance(self, d: DecodeRows, out):
@@ -876,6 +888,7 @@ class ModelRunner:
         with that block) take their slot from it: its first, and the block table gains it."""
         d.ints64 += 1
         d.seq_lens += 1
+        d.max_seq_len += 1
         d.step = out.step
         entering, blocks = out.entering
         if len(entering):
@@ -883,7 +896,7 @@ class ModelRunner:
             self.table[rows, cols] = blocks
             self.row_nblocks[rows] = cols + 1
             d.ints64[1, entering] = blocks * self.block_size
-            d.block_table = self._block_table(d.rows, d.seq_lens)
+            d.block_table = self._block_table(d.rows, d.max_seq_len)
 
     def _prepare_mixed(self, out, rows, starts):
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""

@@ -20,6 +20,7 @@ import random
 import subprocess
 import sys
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -765,9 +766,9 @@ def test_steps_outside_inference_mode_never_write_graph_outputs(monkeypatch):
     greedy, temperature, top-k / top-p and async sampling, sync and async, without such a write."""
     real_forward = graphs.GraphRunner.forward
 
-    def forward_as_captured(self, b):
+    def forward_as_captured(self, b, max_seq_len):
         with torch.inference_mode():
-            return real_forward(self, b)
+            return real_forward(self, b, max_seq_len)
     monkeypatch.setattr(graphs.GraphRunner, "forward", forward_as_captured)
     prompts = mixed_prompts(3, 4096, seed=24, lengths=(5, 20, 3))
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=8), greedy(8),
@@ -793,6 +794,28 @@ def test_graph_runner_equals_plain_forward_for_every_batch_size():
             else:
                 assert not g.can_run(out)  # above the largest bucket: eager
         _finish(engine, out, plain)
+
+
+def test_graph_runner_packs_kv_heads_of_short_contexts(monkeypatch):
+    """A bucket whose decode attention packs kv heads over short contexts has a graph per side of the
+    bound (run eagerly on the CPU, on the Triton interpreter), and a step replays the one its longest
+    context allows: packed while every context is short, one kv head a program past that. Tokens as the
+    unfused reference model's, either way."""
+    monkeypatch.setattr(kernels, "ATTN_PACK_PROGRAMS", 8)  # tiny's 4 kv heads: 2 a program at 4 requests, 4 at 8
+    dev = dict(device="cuda", dtype="float32", num_blocks=256) if CUDA else {}
+    llm = LLM("tiny", fuse=True, triton=True, enforce_eager=False, graph_buckets=(2, 4, 8), max_num_seqs=8, **dev)
+    g, bound = llm.engine.runner.graphs, kernels.ATTN_PACK_MAX_CONTEXT
+    assert g.bounds == {2: (g.max_seq_len,), 4: (bound, g.max_seq_len), 8: (bound, g.max_seq_len)}
+    keys, key_for = [], g.key_for
+    monkeypatch.setattr(g, "key_for", lambda batch: keys.append(key_for(batch)) or keys[-1])
+    reference = LLM("tiny", fuse=False, **dev)
+    short = mixed_prompts(7, 4096, seed=41, lengths=(5, 17, 60, 2))
+    long = short[:6] + mixed_prompts(1, 4096, seed=42, lengths=(bound,))  # its context passes the bound
+    for prompts, graph in ((short, (8, bound)), (long, (8, g.max_seq_len))):
+        keys.clear()
+        out = llm.generate(prompts, greedy(3))
+        assert [o.token_ids for o in out] == [o.token_ids for o in reference.generate(prompts, greedy(3))]
+        assert keys and set(keys) == {graph}, "7 decodes, padded to the bucket of 8"
 
 
 def test_graphed_engine_tokens_equal_eager():
@@ -1086,6 +1109,24 @@ def test_gpu_graphs_equal_eager_for_every_batch_size():
         if 1 <= B <= 40:
             a = [o.token_ids for o in graphed.generate(prompts[:B], greedy(6))]
             assert a == [o.token_ids for o in eager.generate(prompts[:B], greedy(6))], f"batch {B}"
+
+
+@needs_cuda
+def test_gpu_packed_attention_graphs_equal_unpacked_eager(monkeypatch):
+    """256 requests of short contexts replay the graph that packs tiny's kv heads (4 a program); their
+    tokens equal an eager engine's that never packs (float32, so no tile order can round differently)."""
+    dev = dict(GPU, dtype="float32")
+    graphed = nanoengine.LLM("tiny", enforce_eager=False, max_num_seqs=256, **dev)
+    g, key = graphed.engine.runner.graphs, (256, kernels.ATTN_PACK_MAX_CONTEXT)
+    assert kernels._decode_pack(256, 4) == 4 and key in g.graphs
+    replays, graph = [], g.graphs[key]
+    g.graphs[key] = SimpleNamespace(replay=lambda: replays.append(1) or graph.replay())
+    prompts = mixed_prompts(256, 4096, seed=43, lengths=(5, 17, 33, 60))
+    packed = [o.token_ids for o in graphed.generate(prompts, greedy(16))]
+    assert len(replays) >= 8, "the decode steps of 256 short contexts replay the packed graph"
+    monkeypatch.setattr(kernels, "ATTN_PACK_MAX_CONTEXT", 0)  # never pack
+    eager = nanoengine.LLM("tiny", enforce_eager=True, max_num_seqs=256, **dev)
+    assert packed == [o.token_ids for o in eager.generate(prompts, greedy(16))]
 
 
 @needs_cuda
@@ -1555,15 +1596,38 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one
     holds NaN beforehand, so a kernel that read it back (rather than using the key from registers) or
     counted it twice would show."""
     monkeypatch.setattr(kernels, "ATTN_MIN_SPLIT_TOKENS", 1)  # 64-key splits: the long rows use several
+    launches = _check_decode_attention(monkeypatch, with_norm, h, hkv, [5, 70, 0, 130, 1], one_launch,
+                                       num_splits=num_splits)
+    assert launches == [(one_launch, 1)], "one launch while the batch fits a wave of programs, else two"
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("programs,heads", [(10, 2), (5, 4)])
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_kernel_decode_attention_packs_kv_heads_of_short_contexts(monkeypatch, with_norm, programs, heads,
+                                                                   one_launch):
+    """Given a bound on the contexts of at most ATTN_PACK_MAX_CONTEXT, a batch past ATTN_PACK_PROGRAMS
+    programs takes several kv heads a program, each query row masked to its own head's key columns; the
+    same output and caches as the references. Without the bound, or past it, one kv head a program."""
+    monkeypatch.setattr(kernels, "ATTN_PACK_PROGRAMS", programs)  # 5 requests x 4 kv heads: pack 2 or 4
+    monkeypatch.setattr(kernels, "ATTN_PACK_BLOCK_N", 32)  # 8 or 16 keys a tile: several tiles a context
+    seq_lens, bound = [5, 70, 0, 128, 1], kernels.ATTN_PACK_MAX_CONTEXT  # a padding row, a new key alone
+    for max_seq_len, packed in ((bound, heads), (None, 1), (bound + 1, 1)):
+        launches = _check_decode_attention(monkeypatch, with_norm, 8, 4, seq_lens, one_launch,
+                                           max_seq_len=max_seq_len)
+        assert launches == [(one_launch, packed)], f"max_seq_len={max_seq_len}"
+
+
+def _check_decode_attention(monkeypatch, with_norm, h, hkv, seq_lens, one_launch, **kw) -> list:
+    """decode_attention against decode_attention_ref; returns its launches as (RoPE inside, kv heads a program)."""
     monkeypatch.setattr(kernels, "ATTN_PROGRAMS_PER_SM", 1000 if one_launch else 0)  # the interpreter: 1 "SM"
     launches, real_launch = [], kernels._attention
 
-    def launch(*args, rope):
-        launches.append(rope is not None)  # True: RoPE and the KV write inside the attention kernel
-        return real_launch(*args, rope=rope)
+    def launch(*args, rope, heads=1):
+        launches.append((rope is not None, heads))  # rope: RoPE and the KV write inside the attention kernel
+        return real_launch(*args, rope=rope, heads=heads)
     monkeypatch.setattr(kernels, "_attention", launch)
-    d, page, seq_lens = 16, 4, [5, 70, 0, 130, 1]  # a padding row (0), a row whose only key is the new one
-    b = len(seq_lens)
+    d, page, b = 16, 4, len(seq_lens)
     q, (k_cache, v_cache, _, sl, bt) = _attention_case([1] * b, seq_lens, h, hkv, d, page, 34, seed=31)
     kv = _randn(b, 2 * hkv * d, seed=32)
     k, v = kv[:, : hkv * d].view(b, hkv, d), kv[:, hkv * d:].view(b, hkv, d)  # strided views, as in the model
@@ -1577,12 +1641,11 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one
     norms = (_randn(d, seed=34), _randn(d, seed=35)) if with_norm else (None, None)
     inputs = [t.clone() for t in (k, v)]
     results = []
-    for fn in (partial(kernels.decode_attention, num_splits=num_splits), kernels.decode_attention_ref):
+    for fn in (partial(kernels.decode_attention, **kw), kernels.decode_attention_ref):
         kc, vc = k_cache.clone(), v_cache.clone()
         out = fn(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms, eps=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(inputs, (k, v))), "k and v are left as they were"
         results.append((out, kc[:-1], vc[:-1]))  # all but the scratch block
-    assert launches == [one_launch], "one launch while the batch fits a wave of programs, else two"
     (out, kc, vc), (ref, kc_ref, vc_ref) = results
     assert not out.isnan().any() and out[2].abs().max() == 0, "the padding row attends to nothing"
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
@@ -1590,8 +1653,9 @@ def test_kernel_decode_attention(monkeypatch, with_norm, h, hkv, num_splits, one
     torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0, equal_nan=True)
     assert kernels._tickets(DEVICE).count_nonzero() == 0
     bad = [torch.cat([t, t[:1]]) for t in (q, k, v)]  # one token more than there are requests
-    with pytest.raises(ValueError, match="one token per request: q has 6 tokens, seq_lens 5 requests"):
+    with pytest.raises(ValueError, match=f"one token per request: q has {b + 1} tokens, seq_lens {b} requests"):
         kernels.decode_attention(*bad, k_cache, v_cache, slots, positions, sl, bt, cos_sin, d**-0.5, *norms)
+    return launches
 
 
 def test_kernel_paged_attention_all_padding():
@@ -1658,11 +1722,12 @@ def test_kernel_gpu_race_sample():
 
 
 @needs_cuda
-@pytest.mark.parametrize("h,hkv,seq_lens", [
-    (16, 8, [48, 0, 33, 64, 1]),  # Qwen3-0.6B heads, short contexts: one split each, a padding row
-    (32, 4, [8000, 200, 2]),  # Qwen3-30B-A3B heads, a long context over many splits
+@pytest.mark.parametrize("h,hkv,seq_lens,max_seq_len", [
+    (16, 8, [48, 0, 33, 64, 1], None),  # Qwen3-0.6B heads, short contexts: one split each, a padding row
+    (32, 4, [8000, 200, 2], None),  # Qwen3-30B-A3B heads, a long context over many splits
+    (16, 8, [0, 1] + [33 + 7 * i % 96 for i in range(254)], 128),  # 256 short contexts: 8 kv heads a program
 ])
-def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens):
+def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens, max_seq_len):
     d, page, b = 128, 16, len(seq_lens)
     max_blocks = -(-max(seq_lens) // page) + 1
     q, (k_cache, v_cache, _, sl, bt) = _attention_case([1] * b, seq_lens, h, hkv, d, page, max_blocks, seed=45,
@@ -1674,7 +1739,9 @@ def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens):
     norms = (_randn(d, seed=49, device=CUDA_DEVICE, dtype=BF16), _randn(d, seed=50, device=CUDA_DEVICE, dtype=BF16))
     kc, vc = k_cache.clone(), v_cache.clone()
     positions = (sl.long() - 1).clamp(min=0)
-    out = kernels.decode_attention(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms)
+    assert (kernels._decode_pack(b, hkv) == 8) == (max_seq_len is not None)
+    out = kernels.decode_attention(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms,
+                                   max_seq_len=max_seq_len)
     ref = kernels.decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, sl, bt, cos_sin, d**-0.5,
                                        *norms)
     assert not out.isnan().any()
@@ -1943,31 +2010,34 @@ def test_kernel_linear_prefetches_its_weights_before_it_waits(m, k, prefetch, ti
 
 
 PTX_OF_DECODE_ATTENTION = """
-import triton, kernels
+import sys, triton, kernels
 from triton.backends.compiler import GPUTarget
 fn = kernels._paged_attention_kernel
+shift = int(sys.argv[1])  # log2 of the kv heads a program packs
 sig = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", query_start_loc_ptr="*i32", seq_lens_ptr="*i32",
            block_table_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32", part_ml_ptr="*fp32", tickets_ptr="*i32",
            num_tokens="i32", num_splits="i32", k_new_ptr="*bf16", v_new_ptr="*bf16", slot_mapping_ptr="*i64",
            positions_ptr="*i64", scratch_slot="i32", cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16",
            eps="fp32", qk_scale="fp32")
 sig.update({a: "i32" for a in fn.arg_names if a.startswith("stride_")})
-consts = dict(NUM_HEADS=16, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,
-              SPLIT=False, MIN_SPLIT_TILES=2, MERGE_FAN_IN=8, DOT_PRECISION="tf32", DECODE=True, ROPE=True,
+consts = dict(NUM_HEADS=16, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_Q=1, BLOCK_M=max(16, 2 << shift),
+              BLOCK_N=128 if shift else 64, PACK_SHIFT=shift, SPLIT=False, MIN_SPLIT_TILES=2, MERGE_FAN_IN=8, DOT_PRECISION="tf32", DECODE=True, ROPE=True,
               HAS_NORM=True, PDL=True)
 attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
 src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature={**sig, **{c: "constexpr" for c in consts}},
                                 attrs=attrs)
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"])
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=4, num_stages=3 if shift else 2)).asm["ptx"])
 """
 
 
-def test_kernel_decode_attention_releases_the_next_kernel_only_as_it_exits():
+@pytest.mark.parametrize("shift", [0, 3])  # one kv head a program, or 8 packed (256 requests, short contexts)
+def test_kernel_decode_attention_releases_the_next_kernel_only_as_it_exits(shift):
     """Under PDL decode attention waits for its inputs like every kernel, but never calls
     griddepcontrol.launch_dependents, so the o matmul after it is launched as its programs exit rather than
     piled onto the first SMs they free (see kernels._wait_for_inputs); the linear releases the next kernel
     at once (test_kernel_linear_prefetches_its_weights_before_it_waits)."""
-    ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION)
+    ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
 
 
