@@ -468,6 +468,35 @@ def _bench_decode_attention(out_lines, b: int, ctx: int, width: int = 0) -> None
             lambda: kernels.paged_attention(*args), lambda: kernels.paged_attention_ref(*args), floor_bytes)
 
 
+def _bench_packed_decode_attention(out_lines, b: int, lo: int = 33, hi: int = 64) -> None:
+    """decode_attention as the engine runs it (RoPE, Qwen3's norms and the KV write inside while the grid
+    fits one wave) over b contexts of lo..hi keys: told they are short (max_seq_len = hi), it packs kv
+    heads into a program; the reference column is the same kernel not told (one kv head a program)."""
+    h, hkv, d = QWEN3_0_6B["heads"], QWEN3_0_6B["kv_heads"], QWEN3_0_6B["head_dim"]
+    lens = torch.randint(lo, hi + 1, (b,))
+    pages = -(-lens // PAGE_SIZE)
+    num_blocks = int(pages.sum()) + 1  # + the scratch block
+    k_cache = torch.randn(num_blocks, PAGE_SIZE, hkv, d, device="cuda", dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.zeros(b, int(pages.max()), dtype=torch.int32)
+    for r, page_ids in enumerate(torch.randperm(num_blocks - 1).split(pages.tolist())):
+        block_table[r, :len(page_ids)] = page_ids
+    seq_lens = lens.to("cuda", torch.int32)
+    positions = seq_lens.long() - 1
+    slots = block_table.cuda().gather(1, (positions // PAGE_SIZE)[:, None])[:, 0] * PAGE_SIZE + positions % PAGE_SIZE
+    qkv = torch.randn(b, (h + 2 * hkv) * d, device="cuda", dtype=BF16)  # q, k, v: views of one matmul's output
+    q, k, v = (t.view(b, -1, d) for t in qkv.split([h * d, hkv * d, hkv * d], dim=1))
+    cos_sin = torch.randn(hi, d, device="cuda")
+    norms = (torch.randn(d, device="cuda", dtype=BF16), torch.randn(d, device="cuda", dtype=BF16))
+    args = (k, v, k_cache, v_cache, slots.long(), positions, seq_lens, block_table.cuda(), cos_sin, d**-0.5, *norms)
+    packed = lambda q=q: kernels.decode_attention(q, *args, max_seq_len=hi)
+    one_head = lambda q=q: kernels.decode_attention(q, *args)
+    torch.testing.assert_close(packed(q.clone()), one_head(q.clone()), atol=3e-2, rtol=3e-2)  # bf16
+    floor_bytes = 2 * int(lens.sum()) * hkv * d * BYTES + 2 * b * h * d * BYTES
+    _report(out_lines, "decode_attention_short", dict(batch=b, context=[lo, hi]), packed, one_head, floor_bytes,
+            kv_heads_a_program=kernels._decode_pack(b, hkv), ref="one kv head a program")
+
+
 def bench_kernels(groups=DEFAULT_KERNEL_GROUPS, out_lines: list | None = None) -> None:
     """Print (and append to out_lines, if given) one JSON line per kernel and shape."""
     if not torch.cuda.is_available():
@@ -491,6 +520,8 @@ def bench_kernels(groups=DEFAULT_KERNEL_GROUPS, out_lines: list | None = None) -
                 _bench_decode_attention(out_lines, b, ctx)
         for b in (1, 16):  # as the graphs run it: the table is as wide as max_model_len (8192 tokens)
             _bench_decode_attention(out_lines, b, 128, width=8192 // PAGE_SIZE)
+        for b in (64, 128, 256):
+            _bench_packed_decode_attention(out_lines, b)
     if "linear" in groups:
         bench_linear()
     if "tiles" in groups:

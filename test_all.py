@@ -2021,8 +2021,8 @@ sig = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", query_start_
            eps="fp32", qk_scale="fp32")
 sig.update({a: "i32" for a in fn.arg_names if a.startswith("stride_")})
 consts = dict(NUM_HEADS=16, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_Q=1, BLOCK_M=max(16, 2 << shift),
-              BLOCK_N=128 if shift else 64, PACK_SHIFT=shift, SPLIT=False, MIN_SPLIT_TILES=2, MERGE_FAN_IN=8, DOT_PRECISION="tf32", DECODE=True, ROPE=True,
-              HAS_NORM=True, PDL=True)
+              BLOCK_N=128 if shift else 64, PACK_SHIFT=shift, SPLIT=False, MIN_SPLIT_TILES=2, MERGE_FAN_IN=8,
+              DOT_PRECISION="tf32", DECODE=True, ROPE=True, HAS_NORM=True, PDL=True)
 attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
 src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature={**sig, **{c: "constexpr" for c in consts}},
                                 attrs=attrs)
