@@ -580,7 +580,9 @@ class Batch:
     positions: torch.Tensor        # (T,) int64
     slot_mapping: torch.Tensor     # (T,) int64: block * block_size + offset; -1 = padding, goes to scratch
     query_start_loc: torch.Tensor  # (B + 1,) int32: request b's tokens are [qsl[b], qsl[b + 1])
-    seq_lens: torch.Tensor         # (B,) int32: context length including this step's tokens; 0 = padding
+    # int64, not the kernels' usual int32: a steady decode stages its counters as these (DecodeRows), one
+    # array fewer to advance per step; the kernels and references load either, graphs' buffer converts
+    seq_lens: torch.Tensor         # (B,) int64: context length including this step's tokens; 0 = padding
     block_table: torch.Tensor      # (B, max_blocks) int32
     logits_indices: torch.Tensor   # (S,) int64: the rows whose next token is sampled
     max_query_len: int             # host-side bound on tokens per request; sizes the attention grid
@@ -694,10 +696,10 @@ class DecodeRows:
     steady: object                 # the scheduler's SteadyDecode these rows follow
     step: int                      # the scheduler step the arrays hold
     rows: np.ndarray               # (n,) each request's persistent row
-    ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (the sampled token's index)
+    ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (the sampled token's index,
+                                   # which is also the sequence length: staged as both)
     rows64: tuple                  # ints64's three rows, as views: staged as they are, so that on the CPU
                                    # each is one same array every step (Staging reuses its view)
-    seq_lens: np.ndarray           # (n,) int32
     block_table: np.ndarray        # (n, width) int32: the columns this step's longest request needs
     query_start_loc: torch.Tensor  # (n + 1,) int32 on the device: 0, 1, ..., n
     logits_indices: torch.Tensor   # (n,) int64 on the device: every row samples
@@ -737,7 +739,7 @@ class ModelRunner:
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
         self.decode: DecodeRows | None = None
         T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
-        self.staging = Staging(self.device, {"int64": 6 * T + 4 * S, "int32": 2 * S + 1 + S * self.max_blocks_per_seq,
+        self.staging = Staging(self.device, {"int64": 6 * T + 5 * S, "int32": S + 1 + S * self.max_blocks_per_seq,
                                              "float32": 2 * S})
         self.graphs = None
         if not cfg.enforce_eager:
@@ -809,11 +811,11 @@ class ModelRunner:
             fills = src = np.zeros(0, dtype=np.int64)
         temperature = self.temperature[srows]
         ints64, ints32, floats = self.staging.to_device(
-            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src],
-            [qsl, seq_lens.astype(np.int32), self._block_table(rows, seq_lens)],
+            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src, seq_lens],
+            [qsl, self._block_table(rows, seq_lens)],
             [temperature, self.top_p[srows]])
         batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
-                      query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
+                      query_start_loc=ints32[0], seq_lens=ints64[9], block_table=ints32[1],
                       logits_indices=ints64[3], max_query_len=max_query_len)
         if same_rows:  # every input is the token the same row sampled last step
             batch.input_ids.copy_(self.prev_tokens)
@@ -845,10 +847,9 @@ class ModelRunner:
             d = self.decode = self._decode_rows(out)
         else:
             self._advance(d, out)
-        (positions, slots, counters), (seq_lens, block_table) = self.staging.to_device(
-            list(d.rows64), [d.seq_lens, d.block_table])
+        (positions, slots, counters), (block_table,) = self.staging.to_device(list(d.rows64), [d.block_table])
         batch = Batch(input_ids=self.prev_tokens, positions=positions, slot_mapping=slots,
-                      query_start_loc=d.query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                      query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
                       logits_indices=d.logits_indices, max_query_len=1)
         d.sampling.counters = counters
         return batch, d.sampling, out.requests
@@ -868,14 +869,13 @@ class ModelRunner:
         seq_lens = pos + 1
         ints64 = np.stack([pos, self._slots(rows, pos), seq_lens])
         return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
-                          seq_lens=seq_lens.astype(np.int32), block_table=self._block_table(rows, seq_lens),
+                          block_table=self._block_table(rows, seq_lens),
                           query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
 
     def _advance(self, d: DecodeRows, out):
         """Every request one token on. Those whose new token starts a block (the scheduler's `entering`,
         with that block) take their slot from it: its first, and the block table gains it."""
-        d.ints64 += 1
-        d.seq_lens += 1
+        d.ints64 += 1  # positions, slots and counters (= sequence lengths) in one operation
         d.step = out.step
         entering, blocks = out.entering
         if len(entering):
@@ -883,7 +883,7 @@ class ModelRunner:
             self.table[rows, cols] = blocks
             self.row_nblocks[rows] = cols + 1
             d.ints64[1, entering] = blocks * self.block_size
-            d.block_table = self._block_table(d.rows, d.seq_lens)
+            d.block_table = self._block_table(d.rows, d.ints64[2])
 
     def _prepare_mixed(self, out, rows, starts):
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
