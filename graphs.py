@@ -42,7 +42,7 @@ class GraphRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)  # as the runner stages them
         self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         # A decode row has one query token, so the query offsets never change: 0, 1, 2, ...
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)

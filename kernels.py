@@ -1393,7 +1393,7 @@ def _paged_attention_kernel(
     k_cache_ptr,  # [num_blocks, page_size, Hkv, D]
     v_cache_ptr,  # same shape and strides as k_cache
     query_start_loc_ptr,  # [B + 1] int32
-    seq_lens_ptr,  # [B] int32, context length including this step's tokens
+    seq_lens_ptr,  # [B] int32 or int64, context length including this step's tokens
     block_table_ptr,  # [B, max_blocks] int32
     out_ptr,  # [T, H, D] contiguous: written here by rows whose keys fit one split
     part_out_ptr,  # [num_splits, T, H, D] float32 unnormalised (SPLIT only)

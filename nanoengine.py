@@ -588,7 +588,9 @@ class Batch:
     positions: torch.Tensor        # (T,) int64
     slot_mapping: torch.Tensor     # (T,) int64: block * block_size + offset; -1 = padding, goes to scratch
     query_start_loc: torch.Tensor  # (B + 1,) int32: request b's tokens are [qsl[b], qsl[b + 1])
-    seq_lens: torch.Tensor         # (B,) int32: context length including this step's tokens; 0 = padding
+    # int64, not the kernels' usual int32: a steady decode stages its counters as these (DecodeRows), one
+    # array fewer to advance per step; the kernels and references load either
+    seq_lens: torch.Tensor         # (B,) int64: context length including this step's tokens; 0 = padding
     block_table: torch.Tensor      # (B, max_blocks) int32
     logits_indices: torch.Tensor   # (S,) int64: the rows whose next token is sampled
     max_query_len: int             # host-side bound on tokens per request; sizes the attention grid
@@ -703,11 +705,11 @@ class DecodeRows:
     steady: object                 # the scheduler's SteadyDecode these rows follow
     step: int                      # the scheduler step the arrays hold
     rows: np.ndarray               # (n,) each request's persistent row
-    ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (the sampled token's index)
+    ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (the sampled token's index,
+                                   # which is also the sequence length: staged as both)
     rows64: tuple                  # ints64's three rows, as views: staged as they are, so that on the CPU
                                    # each is one same array every step (Staging reuses its view)
-    seq_lens: np.ndarray           # (n,) int32
-    max_seq_len: int               # seq_lens.max(), moved on with it
+    max_seq_len: int               # the counters' max (the longest context), moved on with them
     block_table: np.ndarray        # (n, width) int32: the columns this step's longest request needs
     query_start_loc: torch.Tensor  # (n + 1,) int32 on the device: 0, 1, ..., n
     logits_indices: torch.Tensor   # (n,) int64 on the device: every row samples
@@ -747,7 +749,7 @@ class ModelRunner:
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
         self.decode: DecodeRows | None = None
         T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
-        self.staging = Staging(self.device, {"int64": 6 * T + 4 * S, "int32": 2 * S + 1 + S * self.max_blocks_per_seq,
+        self.staging = Staging(self.device, {"int64": 6 * T + 5 * S, "int32": S + 1 + S * self.max_blocks_per_seq,
                                              "float32": 2 * S})
         self.graphs = None
         if not cfg.enforce_eager:
@@ -820,11 +822,11 @@ class ModelRunner:
         temperature = self.temperature[srows]
         max_seq_len = int(seq_lens.max())
         ints64, ints32, floats = self.staging.to_device(
-            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src],
-            [qsl, seq_lens.astype(np.int32), self._block_table(rows, max_seq_len)],
+            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src, seq_lens],
+            [qsl, self._block_table(rows, max_seq_len)],
             [temperature, self.top_p[srows]])
         batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
-                      query_start_loc=ints32[0], seq_lens=ints32[1], block_table=ints32[2],
+                      query_start_loc=ints32[0], seq_lens=ints64[9], block_table=ints32[1],
                       logits_indices=ints64[3], max_query_len=max_query_len, max_seq_len=max_seq_len)
         if same_rows:  # every input is the token the same row sampled last step
             batch.input_ids.copy_(self.prev_tokens)
@@ -856,10 +858,9 @@ class ModelRunner:
             d = self.decode = self._decode_rows(out)
         else:
             self._advance(d, out)
-        (positions, slots, counters), (seq_lens, block_table) = self.staging.to_device(
-            list(d.rows64), [d.seq_lens, d.block_table])
+        (positions, slots, counters), (block_table,) = self.staging.to_device(list(d.rows64), [d.block_table])
         batch = Batch(input_ids=self.prev_tokens, positions=positions, slot_mapping=slots,
-                      query_start_loc=d.query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                      query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
                       logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
         d.sampling.counters = counters
         return batch, d.sampling, out.requests
@@ -879,15 +880,13 @@ class ModelRunner:
         seq_lens = pos + 1
         ints64, max_seq_len = np.stack([pos, self._slots(rows, pos), seq_lens]), int(seq_lens.max())
         return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
-                          seq_lens=seq_lens.astype(np.int32), max_seq_len=max_seq_len,
-                          block_table=self._block_table(rows, max_seq_len),
+                          max_seq_len=max_seq_len, block_table=self._block_table(rows, max_seq_len),
                           query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
 
     def _advance(self, d: DecodeRows, out):
         """Every request one token on. Those whose new token starts a block (the scheduler's `entering`,
         with that block) take their slot from it: its first, and the block table gains it."""
-        d.ints64 += 1
-        d.seq_lens += 1
+        d.ints64 += 1  # positions, slots and counters (= sequence lengths) in one operation
         d.max_seq_len += 1
         d.step = out.step
         entering, blocks = out.entering

@@ -1024,6 +1024,31 @@ def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_asy
     for engine in engines:
         check_clean(engine)
 
+
+def test_seq_lens_are_int64_on_both_paths_and_the_counters_on_the_fast_path():
+    """A steady decode stages its counters (the sampled token's index) as seq_lens too, so it advances one
+    int64 array a step, not two; the general path stages int64 seq_lens as well, and so do the graphs'
+    buffers, so the attention kernel sees one dtype (on CUDA a second would compile it again)."""
+    engine = Engine(model="tiny")
+    seen, prepare = [], engine.runner.prepare
+
+    def logged(out):
+        batch, sbatch, sampling = prepare(out)
+        # the counters as staged now: a steady decode's SamplingBatch is one object, given new ones each step
+        seen.append((out.steady is not None and out.requests is engine.runner.prev_sampling, batch, sbatch.counters))
+        return batch, sbatch, sampling
+    engine.runner.prepare = logged
+    run(engine, mixed_prompts(3, 4096, lengths=(5, 20, 40)), greedy(20))
+    assert {b.seq_lens.dtype for _, b, _ in seen} == {torch.int64}
+    assert Engine(model="tiny", enforce_eager=False).runner.graphs.seq_lens.dtype == torch.int64
+    fast = [(b, counters) for steady, b, counters in seen if steady]
+    assert fast, "no step took the fast path"
+    for b, counters in fast:
+        assert b.seq_lens is counters, "the fast path staged seq_lens apart from the counters"
+        assert b.seq_lens.tolist() == (b.positions + 1).tolist()
+    check_clean(engine)
+
+
 # ==========================================================================================================
 # The command line
 # ==========================================================================================================
