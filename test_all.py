@@ -802,6 +802,7 @@ def test_graph_runner_packs_kv_heads_of_short_contexts(monkeypatch):
     context allows: packed while every context is short, one kv head a program past that. Tokens as the
     unfused reference model's, either way."""
     monkeypatch.setattr(kernels, "ATTN_PACK_PROGRAMS", 8)  # tiny's 4 kv heads: 2 a program at 4 requests, 4 at 8
+    monkeypatch.setattr(kernels, "ATTN_PACK_MAX_CONTEXT", 24)  # short prompts suffice to pass it (the interpreter)
     dev = dict(device="cuda", dtype="float32", num_blocks=256) if CUDA else {}
     llm = LLM("tiny", fuse=True, triton=True, enforce_eager=False, graph_buckets=(2, 4, 8), max_num_seqs=8, **dev)
     g, bound = llm.engine.runner.graphs, kernels.ATTN_PACK_MAX_CONTEXT
@@ -809,7 +810,7 @@ def test_graph_runner_packs_kv_heads_of_short_contexts(monkeypatch):
     keys, key_for = [], g.key_for
     monkeypatch.setattr(g, "key_for", lambda batch: keys.append(key_for(batch)) or keys[-1])
     reference = LLM("tiny", fuse=False, **dev)
-    short = mixed_prompts(7, 4096, seed=41, lengths=(5, 17, 60, 2))
+    short = mixed_prompts(7, 4096, seed=41, lengths=(5, 17, 9, 2))  # contexts of at most 17 + 3 keys
     long = short[:6] + mixed_prompts(1, 4096, seed=42, lengths=(bound,))  # its context passes the bound
     for prompts, graph in ((short, (8, bound)), (long, (8, g.max_seq_len))):
         keys.clear()
