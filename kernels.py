@@ -1652,7 +1652,7 @@ def _past_one_wave(programs: int, device: torch.device) -> bool:
 def _decode_pack(b: int, hkv: int) -> int:
     """kv heads a decode program takes when every context is short (ATTN_PACK_PROGRAMS): a power of two
     that divides hkv, as many as still leave ATTN_PACK_PROGRAMS programs; 1 (no packing) below that."""
-    most = b * hkv // max(ATTN_PACK_PROGRAMS, 1)
+    most = b * hkv // ATTN_PACK_PROGRAMS
     return math.gcd(hkv, 1 << (most.bit_length() - 1)) if most > 1 else 1
 
 
@@ -1761,7 +1761,7 @@ def decode_attention(
     _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     b, hkv = seq_lens.shape[0], k.shape[1]
     short = max_seq_len is not None and max_seq_len <= ATTN_PACK_MAX_CONTEXT
-    heads = _decode_pack(b, hkv) if short and (num_splits or 1) == 1 else 1
+    heads = _decode_pack(b, hkv) if short else 1
     if _past_one_wave(b * hkv // heads, q.device):
         rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, q_norm_weight,
                       k_norm_weight, eps)
@@ -1808,7 +1808,7 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
     # 26.2K, H200), so one choice serves every batch, and a graph and an eager step run the same tiles.
     decode = max_query_len == 1 and t == b
     warps, stages = (8 if block_m >= 128 else 4), (2 if q_tiles == 1 else 3)
-    if not decode or num_splits > 1:
+    if num_splits > 1:  # a grid small enough to split has nothing to pack
         heads = 1
     if heads > 1:  # rows: heads x GROUP_PAD; key tiles of 128 columns (keys x heads), 32 KB at bf16 x 128 dims
         block_m = max(MIN_DOT, heads * _next_pow2(group))
