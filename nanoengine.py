@@ -228,16 +228,15 @@ def make_ops(triton: bool, triton_linear_rows: int = 0, triton_narrow_rows: int 
     rows = dict(max_rows=triton_linear_rows, narrow_rows=triton_narrow_rows)
     if triton and (triton_linear_rows or triton_narrow_rows):
         ops["linear"] = partial(kernels.linear, **rows)
-        # The MLP's down projection of silu(gate) * up: the Triton linear makes its input as it loads it.
-        ops["silu_mul_linear"] = partial(kernels.linear, **rows, silu_mul=True)
     else:
-        silu_and_mul = ops["silu_and_mul"]
         ops["linear"] = F.linear
-        ops["silu_mul_linear"] = lambda x, weight, bias=None: F.linear(silu_and_mul(x), weight, bias)
-    # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input (one row); with
-    # no Triton rows, add_rmsnorm and F.linear (the reference: add_rmsnorm_ref and F.linear).
-    ops["add_rmsnorm_linear"] = (partial(kernels.add_rmsnorm_linear, **rows) if triton
-                                 else kernels.add_rmsnorm_linear_ref)
+    # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input (one row), and
+    # the MLP's silu(gate) * up, made as its gate/up matmul stores the output; with no Triton rows,
+    # add_rmsnorm, F.linear and silu_and_mul (the reference: their _ref versions).
+    if triton:
+        ops["add_rmsnorm_linear"] = partial(kernels.add_rmsnorm_linear, **rows)
+    else:
+        ops["add_rmsnorm_linear"] = kernels.add_rmsnorm_linear_ref
     return SimpleNamespace(**ops)
 
 
@@ -385,10 +384,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = add_norm(x, residual, self.input_layernorm.weight, eps, ops)
             x = attn(x, batch, k_cache, v_cache, cos_sin, ops)
-        if hasattr(mlp, "gate_up_proj"):  # fused dense MLP: the same for gate/up, then silu * up -> down
-            gate_up, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
-                                                       mlp.gate_up_proj.weight)
-            return ops.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        if hasattr(mlp, "gate_up_proj"):  # fused dense MLP: the same for gate/up, with silu * up, then down
+            h, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
+                                                 mlp.gate_up_proj.weight, gated=True)
+            return ops.linear(h, mlp.down_proj.weight, mlp.down_proj.bias), residual
         x, residual = add_norm(x, residual, self.post_attention_layernorm.weight, eps, ops)
         return mlp(x, ops), residual  # a MoE block reads the normed x twice (router, experts): no fusing
 

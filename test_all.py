@@ -1931,22 +1931,34 @@ def test_kernel_linear_long_rows_take_blocks_of_32(monkeypatch):
     torch.testing.assert_close(kernels.linear(x, w), kernels.linear_ref(x, w), **LINEAR_TOL)
 
 
-@pytest.mark.parametrize("m", [1, 3])
-def test_kernel_linear_silu_mul(monkeypatch, m):
-    # The down projection's input made as it is loaded (one row; more rows take silu_and_mul and the plain
-    # kernel): silu(gate) * up from x = [gate | up] must give the bits of silu_and_mul followed by the plain
-    # kernel (same rounding, same accumulation order).
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("norm", [False, True])
+def test_kernel_linear_gated(monkeypatch, m, norm):
+    """The MLP's gate/up matmul with silu(gate) * up made as it stores (the FMA path at one row, tl.dot
+    otherwise; with the add+norm made as it loads at one row): the same bits as the plain kernel followed
+    by silu_and_mul, and close to the references; past max_rows, F.linear and silu_and_mul."""
     monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LINEAR_DOT_MIN_PROGRAMS", 2)
     monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
-    x, w, bias = _randn(m, 2 * 600, seed=17), _randn(37, 600, seed=18), _randn(37, seed=19)
-    out = kernels.linear(x, w, bias, silu_mul=True)
-    assert torch.equal(out, kernels.linear(kernels.silu_and_mul(x), w, bias))
-    torch.testing.assert_close(out, kernels.linear_ref(x, w, bias, silu_mul=True), **LINEAR_TOL)
-    # above max_rows: silu_and_mul, then F.linear
-    torch.testing.assert_close(kernels.linear(x, w, bias, max_rows=0, silu_mul=True),
-                               F.linear(kernels.silu_and_mul_ref(x), w, bias), **LINEAR_TOL)
-    with pytest.raises(ValueError, match="weight must be"):
-        kernels.linear(x[:, :600], w, silu_mul=True)  # x must hold both halves
+    monkeypatch.setattr(kernels, "LINEAR_NORM_MIN_BLOCK_N", 2)
+    _poison_empty(monkeypatch)
+    inter, k = 37, 200  # ragged against every tile: a program's last outputs are masked in both halves
+    x, w, bias = _randn(m, k, seed=17), _randn(2 * inter, k, seed=18) * k**-0.5, _randn(2 * inter, seed=19)
+    if norm:
+        residual, g = _randn(m, k, seed=20), 1 + 0.1 * _randn(k, seed=21)
+        out, new_residual = kernels.add_rmsnorm_linear(x, residual.clone(), g, 1e-6, w, bias, gated=True)
+        plain, plain_residual = kernels.add_rmsnorm_linear(x, residual.clone(), g, 1e-6, w, bias)
+        ref, ref_residual = kernels.add_rmsnorm_linear_ref(x, residual.clone(), g, 1e-6, w, bias, gated=True)
+        assert torch.equal(new_residual, plain_residual)
+    else:
+        out, plain = kernels.linear(x, w, bias, gated=True), kernels.linear(x, w, bias)
+        ref = kernels.linear_ref(x, w, bias, gated=True)
+        torch.testing.assert_close(kernels.linear(x, w, bias, max_rows=0, gated=True), ref, **LINEAR_TOL)
+    assert out.shape == (m, inter)
+    assert torch.equal(out, kernels.silu_and_mul(plain)), "the same bits as the two kernels"
+    torch.testing.assert_close(out, ref, **LINEAR_TOL)
+    with pytest.raises(ValueError, match="gated"):
+        kernels.linear(x, w[1:], gated=True)  # [gate; up] has an even row count
 
 
 def test_jit_functions_read_only_constexpr_globals():
@@ -2001,7 +2013,7 @@ sig = dict(x_ptr=f"*{t}", weight_ptr=f"*{t}", bias_ptr=f"*{t}", out_ptr=f"*{t}",
            residual_out_ptr=f"*{t}", norm_weight_ptr=f"*{t}", num_rows="i32", out_features="i32",
            in_features="i32", stride_xm="i32", eps="fp32")
 bm, bn, bk, dot, warps = kernels._linear_blocks(m, n, k, 2 if t == "bf16" else 4)
-consts = dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, ADD=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+consts = dict(HAS_BIAS=False, GATED=False, NORM=False, ADD=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
               USE_DOT=dot, DOT_PRECISION="tf32", PDL=True, PREFETCH=kernels._linear_prefetch(bk))
 src = triton.compiler.ASTSource(fn=kernels._linear_kernel, constexprs=consts,
                                 signature={**sig, **{c: "constexpr" for c in consts}})
@@ -2303,14 +2315,16 @@ def test_kernel_gpu_linear_bf16_real_shapes(name, m):
 
 
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 16])
-def test_kernel_gpu_linear_silu_mul_bf16(m):
-    k, n = SHAPES["qwen3_0.6b_down"]
-    x = _randn(m, 2 * k, seed=47, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_kernel_gpu_linear_gated_bf16(m):
+    """At Qwen3-0.6B's gate/up shape in bf16, on the Triton tiles (linear's default max_rows takes 256): the
+    same bits as the plain kernel and silu_and_mul."""
+    k, n = SHAPES["qwen3_0.6b_gate_up"]
+    x = _randn(m, k, seed=47, device="cuda", dtype=torch.bfloat16)
     w = (_randn(n, k, seed=48, device="cuda") * k**-0.5).to(torch.bfloat16)
-    out = kernels.linear(x, w, silu_mul=True)
-    assert torch.equal(out, kernels.linear(kernels.silu_and_mul(x), w)), "same bits as the two kernels"
-    torch.testing.assert_close(out, F.linear(kernels.silu_and_mul_ref(x), w), **BF16_LINEAR_TOL)
+    out = kernels.linear(x, w, gated=True)
+    assert torch.equal(out, kernels.silu_and_mul(kernels.linear(x, w)))
+    torch.testing.assert_close(out, kernels.linear_ref(x, w, gated=True), **BF16_LINEAR_TOL)
 
 
 @needs_cuda
