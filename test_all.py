@@ -2079,6 +2079,16 @@ def test_kernel_decode_attention_releases_the_next_kernel_only_as_it_exits(shift
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
 
 
+@pytest.mark.parametrize("shift", [0, 3])
+def test_kernel_decode_attention_loads_what_the_host_staged_before_it_waits(shift):
+    """Under PDL decode attention loads its length, slot, position and the cos and sin there (the host
+    stages them; no kernel writes them) before griddepcontrol.wait, and everything else, q, k and v
+    above all, after it: exactly those five loads come first."""
+    ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift)
+    before = [line.split()[0] for line in ptx[:ptx.index("griddepcontrol.wait")].splitlines() if "ld.global" in line]
+    assert sorted(before) == ["ld.global.b32"] * 3 + ["ld.global.b64"] * 2, before  # int32 length, int64 slot and position
+
+
 def test_kernel_every_kernel_waits_for_its_inputs():
     """A kernel launched with launch_pdl that never calls griddepcontrol.wait would read its inputs while
     the kernel writing them still runs: every @triton.jit kernel takes PDL and calls _wait_for_inputs."""
