@@ -2089,8 +2089,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     matrices). More rows go to F.linear, whose tensor-core tiles reuse each weight tile across rows, except
     on a narrow weight (at most LINEAR_NARROW_N outputs), which stays here up to narrow_rows rows if more.
     gated=True: weight is the MLP's [gate; up] ([2I, K]) and the result silu(x @ gate.T) * (x @ up.T),
-    [..., I]: silu_and_mul made as the kernel stores its output, one launch less per layer (with cuBLAS's
-    rows, F.linear and then silu_and_mul)."""
+    [..., I]: silu_and_mul made as the kernel stores its output, once per output, so it costs one launch
+    less per layer at any row count (with cuBLAS's rows, F.linear and then silu_and_mul). Same-machine H200
+    A/B, ms a Qwen3-0.6B step: 16 requests 1.045 -> 1.010, 64: 1.166 -> 1.135, and 1 request 0.857 ->
+    0.820, where silu * up was made as the down matmul loaded it (every program made all of it)."""
     _check_linear_args(x, weight, bias, gated)
     n, k = weight.shape
     x2 = x.reshape(-1, k)  # [M, K], a view for the usual contiguous x
