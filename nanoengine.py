@@ -212,7 +212,7 @@ class EngineConfig:
 # ----------------------------------------------------------------------------------------------------------
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "moe_route", "fused_moe", "rope_write_kv", "paged_attention",
+OPS = ("rmsnorm", "add_rmsnorm", "moe_route", "fused_moe", "rope_write_kv", "paged_attention",
        "decode_attention", "race_sample")
 
 
