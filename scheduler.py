@@ -188,13 +188,14 @@ class BlockManager:
         block whose content is already published by another request (two requests with the same prefix
         in one step) stays private, so the cache never holds duplicates; req's later blocks then follow
         on from the published one."""
-        bs, ids = self.block_size, req.prefix_ids
-        while len(ids) < num_tokens // bs:
-            i = len(ids)
-            tokens = req.token_ids[i * bs:(i + 1) * bs]
-            if PLACEHOLDER in tokens:
-                return
-            key = block_key(ids[-1] if ids else 0, tokens)
+        bs, ids, tokens = self.block_size, req.prefix_ids, req.token_ids
+        # PLACEHOLDERs only end token_ids (Request.pending), so the full blocks before the first are
+        # found once, not by a search of each block (a third of publish's time, finishing 256 requests).
+        end = min(num_tokens, len(tokens))
+        while end and tokens[end - 1] == PLACEHOLDER:
+            end -= 1
+        for i in range(len(ids), end // bs):
+            key = block_key(ids[-1] if ids else 0, tokens[i * bs:(i + 1) * bs])
             block = self.block_of.get(key)
             if block is None:  # req's own block: blocks before i are published, so it is still private
                 block = req.block_ids[i]
@@ -203,19 +204,25 @@ class BlockManager:
                 self.prefix_id[block] = next(self._prefix_ids)
             ids.append(self.prefix_id[block])
 
-    def release(self, req: Request):
-        """Publish the blocks req filled while decoding (their KV is written, or queued to be), then give
-        its blocks back; the tail first, so that the LRU evicts a prefix's last blocks before its first."""
-        self.publish(req, req.num_computed_tokens)
-        for block in reversed(req.block_ids):
-            self.ref_count[block] -= 1
-            assert self.ref_count[block] >= 0, f"block {block} freed twice"
-            if self.ref_count[block] == 0:
-                if self.key_of[block] is None:
-                    self.free.append(block)
-                else:
-                    self.cached_free[block] = None
-        req.block_ids, req.prefix_ids = [], []
+    def release(self, reqs: list[Request]):
+        """Publish the blocks the requests filled while decoding (their KV is written, or queued to be),
+        then give their blocks back; each one's tail first, so that the LRU evicts a prefix's last blocks
+        before its first. All at once: up to 256 requests finish on one step, and one pass over all their
+        blocks costs less than a call per request."""
+        for req in reqs:
+            self.publish(req, req.num_computed_tokens)
+        ref_count, key_of, free, cached_free = self.ref_count, self.key_of, self.free, self.cached_free
+        for req in reqs:
+            for block in reversed(req.block_ids):
+                n = ref_count[block] - 1
+                assert n >= 0, f"block {block} freed twice"
+                ref_count[block] = n
+                if n == 0:
+                    if key_of[block] is None:
+                        free.append(block)
+                    else:
+                        cached_free[block] = None
+            req.block_ids, req.prefix_ids = [], []
 
 
 @dataclass
@@ -443,7 +450,7 @@ class Scheduler:
                 self.num_cached_tokens += len(cached) * self.blocks.block_size
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             if not self.blocks.allocate(req, n):
-                self.blocks.release(req)
+                self.blocks.release([req])
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -512,7 +519,7 @@ class Scheduler:
         self._drop_steady()
         self._preempted = True
         self.running.remove(req)
-        self.blocks.release(req)
+        self.blocks.release([req])
         self.on_release(req)
         req.num_computed_tokens = 0
         req.status = WAITING
@@ -595,25 +602,31 @@ class Scheduler:
     def _finished(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
         """Finish each request whose new token (request, index, token) ends it: a stop id, or the last
         allowed index. Returns them."""
-        if ended:
-            self._drop_steady()  # the running set changes, and its tokens must be in token_ids to be cut
-        finished = []
+        if not ended:
+            return []
+        self._drop_steady()  # the running set changes, and its tokens must be in token_ids to be cut
         for req, i, token in ended:
             del req.token_ids[i + 1:]  # async: tokens already launched after the stop are dropped
-            self.finish(req, "stop" if token in req.stop_ids else "length", remove=False)
-            finished.append(req)
-        if finished:  # one pass instead of a list.remove per finished request
-            self.running = [r for r in self.running if r.status == RUNNING]
+            if req.status == WAITING:  # async: preempted since its step was launched
+                self.waiting.remove(req)
+        finished = [req for req, _, _ in ended]
+        self.blocks.release(finished)
+        for req, _, token in ended:
+            self._retire(req, "stop" if token in req.stop_ids else "length")
+        self.running = [r for r in self.running if r.status == RUNNING]  # one pass, not a remove each
         return finished
 
-    def finish(self, req: Request, reason: str, remove: bool = True):
+    def finish(self, req: Request, reason: str):
         if req.status == RUNNING:
             self._drop_steady()  # the running set changes
-            if remove:
-                self.running.remove(req)
+            self.running.remove(req)
         elif req.status == WAITING:
             self.waiting.remove(req)
-        self.blocks.release(req)
+        self.blocks.release([req])
+        self._retire(req, reason)
+
+    def _retire(self, req: Request, reason: str):
+        """The bookkeeping of a request whose blocks went back."""
         self.on_release(req)
         req.status, req.finish_reason = FINISHED, reason
         del self.requests[req.request_id]

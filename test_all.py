@@ -444,6 +444,37 @@ def test_prefix_cache_hits_blocks_filled_while_decoding(ckpt_dirs, use_async):
     check_clean(engine)
 
 
+def test_release_of_many_requests_equals_their_releases_one_by_one():
+    """Requests that finish on one step give their blocks back in one call: the cache must end up as if
+    each had been released alone, in order (the same publishes, the same LRU order of cached-free blocks,
+    the same free list), and a block released twice must still be caught."""
+    def managers():
+        bm = scheduler.BlockManager(num_blocks=16, block_size=4)
+        shared = [1, 2, 3, 4]
+        reqs = [scheduler.Request(str(i), shared + [10 + i] * 8, SamplingParams(), 0) for i in range(3)]
+        reqs[2].token_ids = list(reqs[1].token_ids)  # the same decode content as request 1: stays private
+        for req in reqs:
+            bm.use_cached(req, bm.cached_prefix(req))
+            bm.give(req, bm.blocks_needed(req, len(req.token_ids) - req.num_computed_tokens))
+            bm.publish(req, 4)  # the shared prompt block: published by the first, reused by the others
+            req.num_computed_tokens = len(req.token_ids)
+        reqs[0].token_ids[-1] = PLACEHOLDER  # its last token in flight: its last block stays private
+        return bm, reqs
+
+    one, reqs = managers()
+    for req in reqs:
+        one.release([req])
+    many, reqs = managers()
+    many.release(reqs)
+    for name in ("ref_count", "key_of", "prefix_id", "block_of", "free", "cached_free"):
+        assert getattr(many, name) == getattr(one, name), name
+    assert len(many.block_of) == 4 and len(many.cached_free) == 4  # shared; 1 of request 0, 2 of request 1
+    assert all(not r.block_ids and not r.prefix_ids for r in reqs)
+    reqs[0].block_ids = [next(iter(many.cached_free))]
+    with pytest.raises(AssertionError, match="freed twice"):
+        many.release(reqs[:1])
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 def test_preemption_matches_reference(ckpt_dirs, arch):
     cfg, sd, folder = ckpt_dirs[arch]
