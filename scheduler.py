@@ -289,6 +289,8 @@ class SteadyDecode:
     stops: frozenset         # every stop id of any of them (most often just eos, or none)
     countdown: int           # min(last - computed): steps until the first of them computes its last token
     tokens: np.ndarray       # (steps, n) int64: row k holds the tokens sampled by its k-th step
+    num_tokens: list[int]    # [1] * n and [True] * n: every plan's num_tokens and samples, one pair for all
+    samples: list[bool]      # (a plan never changes), not two new lists a step
     num_steps: int = 0       # rows of `tokens` in use (one per planned step)
     landed: int = 0          # ... of which the first `landed` hold tokens (async: the last may be in flight)
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
@@ -304,7 +306,8 @@ class SteadyDecode:
         # It stands for at most countdown + 1 steps (then someone computes its last token); + 1 to spare.
         tokens = np.empty((min(countdown + 2, STEADY_MAX_STEPS), len(reqs)), dtype=np.int64)
         return cls(reqs, computed, last, attend_at, frozenset().union(*(r.stop_ids for r in reqs)),
-                   countdown=countdown, tokens=tokens, quiet=int((attend_at - computed).min()))
+                   countdown=countdown, tokens=tokens, num_tokens=out.num_tokens, samples=out.samples,
+                   quiet=int((attend_at - computed).min()))
 
     def append(self, tokens=None) -> int:
         """A row for one step's tokens, (n,): given (sync), or to come (an async launch: `land` writes
@@ -390,9 +393,8 @@ class Scheduler:
             s.quiet = int((s.attend_at - starts).min())
         s.computed, s.awaiting = starts + 1, True
         s.countdown, s.quiet = s.countdown - 1, s.quiet - 1
-        n = len(s.requests)
-        return SchedulerOutput(s.requests, starts, [1] * n, [True] * n, num_decode=n, step=self.step_id,
-                               steady=s, entering=entering)
+        return SchedulerOutput(s.requests, starts, s.num_tokens, s.samples, num_decode=len(s.requests),
+                               step=self.step_id, steady=s, entering=entering)
 
     def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
         """The requests due for more than +1: each gets the block that its token starts.
