@@ -894,7 +894,12 @@ class ModelRunner:
             self.table[rows, cols] = blocks
             self.row_nblocks[rows] = cols + 1
             d.ints64[1, entering] = blocks * self.block_size
-            d.block_table = self._block_table(d.rows, d.max_seq_len)
+            if -(-d.max_seq_len // self.block_size) == d.block_table.shape[1]:
+                # In place, as on 2 of every 3 such steps at 256 requests: on the CPU the array keeps its
+                # staged view (Staging), and a new one cost ~40 us with the gather, after the forward.
+                d.block_table[entering, cols] = blocks
+            else:  # the longest request has entered a new block: one more column
+                d.block_table = self._block_table(d.rows, d.max_seq_len)
 
     def _prepare_mixed(self, out, rows, starts):
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
