@@ -2101,7 +2101,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         max_rows = max(max_rows, narrow_rows)
     if m > min(max_rows, LINEAR_MAX_M):
         out = torch.nn.functional.linear(x, weight, bias)
-        return silu_and_mul(out.view(m, n)).view(*x.shape[:-1], n // 2) if gated else out
+        return _gate(out, silu_and_mul) if gated else out
     out = torch.empty((*x.shape[:-1], n // 2 if gated else n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -2171,7 +2171,7 @@ def add_rmsnorm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_
     silu_and_mul_ref."""
     h, residual = _pre_norm(x, residual, norm_weight, eps, rmsnorm_ref, add_rmsnorm_ref)
     out = torch.nn.functional.linear(h, weight, bias)
-    return (silu_and_mul_ref(out.reshape(-1, out.shape[-1])).view(*out.shape[:-1], -1) if gated else out), residual
+    return (_gate(out, silu_and_mul_ref) if gated else out), residual
 
 
 def _pre_norm(x, residual, norm_weight, eps, rms, add_rms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2187,4 +2187,9 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """F.linear in float32, cast back: one rounding at the end, as the kernel does; gated, then
     silu_and_mul_ref of that."""
     out = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return silu_and_mul_ref(out.reshape(-1, out.shape[-1])).view(*out.shape[:-1], -1) if gated else out
+    return _gate(out, silu_and_mul_ref) if gated else out
+
+
+def _gate(out: torch.Tensor, silu_mul) -> torch.Tensor:
+    """[..., 2I] gate | up -> [..., I] by silu_mul (silu_and_mul or its reference, which take [N, 2I])."""
+    return silu_mul(out.reshape(-1, out.shape[-1])).view(*out.shape[:-1], out.shape[-1] // 2)

@@ -846,8 +846,11 @@ class ModelRunner:
         then rows: numpy's mixed indexing, table[rows, :width], was the slowest line of a boundary step
         at 256 requests on the 2-core CPU, right after a forward (a line profile: ~140 against ~30 us;
         both ~4 us when repeated; interleaved runs found such a step ~25 us faster)."""
-        width = -(-max_seq_len // self.block_size)
-        return self.table[:, :width][rows]
+        return self.table[:, :self._table_width(max_seq_len)][rows]
+
+    def _table_width(self, max_seq_len: int) -> int:
+        """Block-table columns a context of max_seq_len tokens needs."""
+        return -(-max_seq_len // self.block_size)
 
     def _prepare_steady(self, out) -> tuple[Batch, SamplingBatch, tuple]:
         """A decode of the same requests as last step: their inputs are last step's sampled tokens, on
@@ -894,7 +897,7 @@ class ModelRunner:
             self.table[rows, cols] = blocks
             self.row_nblocks[rows] = cols + 1
             d.ints64[1, entering] = blocks * self.block_size
-            if -(-d.max_seq_len // self.block_size) == d.block_table.shape[1]:
+            if self._table_width(d.max_seq_len) == d.block_table.shape[1]:
                 # In place, as on 2 of every 3 such steps at 256 requests: on the CPU the array keeps its
                 # staged view (Staging), and a new one cost ~40 us with the gather, after the forward.
                 d.block_table[entering, cols] = blocks
