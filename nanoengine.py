@@ -772,6 +772,18 @@ class ModelRunner:
             self.row_nblocks[row] = len(blocks)
         return rows
 
+    def _rows_of(self, out) -> np.ndarray:
+        """rows() of a plan's requests. A standing SteadyDecode holds the blocks it handed out at block
+        boundaries (`entered`) until it is dropped, so they are not in block_ids yet: they are appended
+        here, in the order they were handed out."""
+        rows = self.rows(out.requests)
+        if out.steady is not None:
+            for due, blocks in out.steady.entered:
+                r = rows[due]
+                self.table[r, self.row_nblocks[r]] = blocks
+                self.row_nblocks[r] += 1
+        return rows
+
     def _new_row(self, req: Request) -> int:
         if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
             for r in [r for r in self.row_of if r.status != RUNNING]:
@@ -796,7 +808,7 @@ class ModelRunner:
         if out.steady is not None and out.requests is self.prev_sampling:
             return self._prepare_steady(out)
         reqs = out.requests
-        rows, starts = self.rows(reqs), out.starts
+        rows, starts = self._rows_of(out), out.starts
         if out.is_decode:  # one token per request, each at position start: all vectorised
             ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
             pos, seq_lens = starts, starts + 1
@@ -871,7 +883,7 @@ class ModelRunner:
         """The decode batch of out's requests, from their rows and positions; what stays the same while
         they run together is staged now, once."""
         reqs, pos = out.requests, out.starts
-        rows, n = self.rows(reqs), len(reqs)
+        rows, n = self._rows_of(out), len(reqs)
         temperature = self.temperature[rows]
         (seeds, top_k, logits_indices), (qsl,), (temperature_t, top_p) = self.staging.to_device(
             [self.seed[rows], self.top_k[rows], np.arange(n, dtype=np.int64)],

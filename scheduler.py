@@ -178,9 +178,13 @@ class BlockManager:
     def take(self, n: int) -> list[int]:
         """n blocks, each with one user; the caller has checked that there are enough free."""
         assert n <= self.num_free_blocks, f"{n} blocks asked, {self.num_free_blocks} free"
-        blocks = [self._take() for _ in range(n)]
+        free, ref_count = self.free, self.ref_count
+        if n <= len(free):  # the common case, without a call per block (256 blocks at a decode boundary)
+            blocks = [free.popleft() for _ in range(n)]
+        else:
+            blocks = [self._take() for _ in range(n)]
         for block in blocks:
-            self.ref_count[block] = 1
+            ref_count[block] = 1
         return blocks
 
     def publish(self, req: Request, num_tokens: int):
@@ -274,7 +278,9 @@ class SteadyDecode:
     with caches cold after the forward; a row handed back before they land reads as PLACEHOLDERs). The
     requests get both back, num_computed_tokens and the tail of token_ids, when it is
     dropped (hand_back), before anything reads them: only the general path and a finishing request do.
-    So a quiet step touches no request at all, and checks stops on arrays.
+    So a quiet step touches no request at all, and checks stops on arrays. A step at a block boundary
+    touches none either: the blocks it hands out wait in `entered` and join the requests' block_ids at
+    hand_back too (appending them there, request by request, cost ~60 us of such a step at 256).
 
     Valid while the running set is unchanged: a join, finish, abort or preemption drops it, and the next
     step that decodes the whole running set builds a new one. Its tuple of requests is new with each
@@ -291,6 +297,7 @@ class SteadyDecode:
     tokens: np.ndarray       # (steps, n) int64: row k holds the tokens sampled by its k-th step
     num_tokens: list[int]    # [1] * n and [True] * n: every plan's num_tokens and samples, one pair for all
     samples: list[bool]      # (a plan never changes), not two new lists a step
+    entered: list = field(default_factory=list)  # (indices, their new blocks) of each boundary step
     num_steps: int = 0       # rows of `tokens` in use (one per planned step)
     landed: int = 0          # ... of which the first `landed` hold tokens (async: the last may be in flight)
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
@@ -330,10 +337,14 @@ class SteadyDecode:
         """The requests get their counts and the tokens held here (it is being dropped)."""
         self.tokens[self.landed:self.num_steps] = PLACEHOLDER  # launched, not landed: filled by index later
         held = self.tokens[:self.num_steps].T.tolist()  # (n, steps)
-        for req, count, tokens in zip(self.requests, self.computed.tolist(), held):
+        reqs = self.requests
+        for req, count, tokens in zip(reqs, self.computed.tolist(), held):
             assert req.status == RUNNING, f"{req.request_id} left the set before it was dropped"
             req.num_computed_tokens = count
             req.token_ids += tokens
+        for due, blocks in self.entered:  # in the order they were handed out
+            for i, block in zip(due.tolist(), blocks):
+                reqs[i].block_ids.append(block)
 
 
 class Scheduler:
@@ -409,9 +420,8 @@ class Scheduler:
         # request holds just the blocks its computed tokens fill (BlockManager.allocate): each needs one.
         if len(due) > self.blocks.num_free_blocks:
             return None  # the general path decides whom to preempt
-        blocks, reqs = self.blocks.take(len(due)), s.requests
-        for i, block in zip(due.tolist(), blocks):  # the one loop over requests, at a block boundary
-            reqs[i].block_ids.append(block)
+        blocks = self.blocks.take(len(due))
+        s.entered.append((due, blocks))  # the requests get them at hand_back (see SteadyDecode)
         # Each starts a block: attention_at(starts + 1) is the next block's start, or its last.
         s.attend_at[due] = np.minimum(starts[due] + self.blocks.block_size, s.last[due])
         return due, np.array(blocks, dtype=np.int64)

@@ -1011,6 +1011,15 @@ def _staged(x):
     return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(x).items()}
 
 
+def _blocks_of(engine, req) -> list[int]:
+    """req's blocks, with those a standing SteadyDecode holds for it until it hands them back."""
+    blocks, s = list(req.block_ids), engine.scheduler.steady
+    if s is not None and req in s.requests:
+        i = s.requests.index(req)
+        blocks += [b for due, new in s.entered for j, b in zip(due.tolist(), new) if j == i]
+    return blocks
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("use_async", [False, True])
 def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_async, no_placeholder_hashed):
@@ -1034,7 +1043,7 @@ def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_asy
         def logged(out, prepare=engine.runner.prepare, log=log):
             batch, sbatch, sampling = prepare(out)
             log.append(([r.request_id for r in out.requests], out.starts.tolist(), list(out.num_tokens),
-                        [(list(r.block_ids), len(r.prefix_ids)) for r in out.requests], _staged(batch),
+                        [(_blocks_of(engine, r), len(r.prefix_ids)) for r in out.requests], _staged(batch),
                         _staged(sbatch)))
             return batch, sbatch, sampling
         engine.runner.prepare = logged
