@@ -734,6 +734,7 @@ class ModelRunner:
                                     mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
         # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
         self.prev_tokens, self.prev_sampling, self._prev_rows = None, [], None
+        self.prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
         self.stats = StepStats(cuda=self.device.type == "cuda")
         # Persistent rows, one per live request (running, or preempted and coming back).
         rows = 2 * cfg.max_num_seqs
@@ -805,8 +806,10 @@ class ModelRunner:
     # -- one step's tensors ---------------------------------------------------------------------------
     def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
-        if out.steady is not None and out.requests is self.prev_sampling:
-            return self._prepare_steady(out)
+        if out.steady is not None:
+            kept = None if out.requests is self.prev_sampling else self._kept(out)
+            if out.requests is self.prev_sampling or kept is not None:
+                return self._prepare_steady(out, kept)
         reqs = out.requests
         rows, starts = self._rows_of(out), out.starts
         if out.is_decode:  # one token per request, each at position start: all vectorised
@@ -864,20 +867,54 @@ class ModelRunner:
         """Block-table columns a context of max_seq_len tokens needs."""
         return -(-max_seq_len // self.block_size)
 
-    def _prepare_steady(self, out) -> tuple[Batch, SamplingBatch, tuple]:
-        """A decode of the same requests as last step: their inputs are last step's sampled tokens, on
-        the device already, and the rest is last step's batch one token on (DecodeRows)."""
+    def _kept(self, out) -> np.ndarray | None:
+        """Where some requests of last step's steady decode have left it since (SteadyDecode.without):
+        last step's indices of the requests out decodes (their tokens are only in last step's output,
+        not yet in token_ids); else None."""
+        prev = self.prev_steady
+        if prev is None or prev is out.steady or self.prev_sampling is not prev.requests:
+            return None
+        return out.steady.kept_of(prev)
+
+    def _prepare_steady(self, out, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
+        """A decode of the same requests as last step, or of those of them still running (last step's
+        indices `kept`): their inputs are last step's sampled tokens, on the device already, and the
+        rest is last step's batch one token on (DecodeRows)."""
         d = self.decode
-        if d is None or d.steady is not out.steady or d.step != out.step - 1:
+        last_set = out.steady if kept is None else self.prev_steady
+        fresh = d is None or d.steady is not last_set or d.step != out.step - 1
+        if fresh:
             d = self.decode = self._decode_rows(out)
+        elif kept is not None:
+            self._condense(d, out, kept)
         else:
             self._advance(d, out)
-        (positions, slots, counters), (block_table,) = self.staging.to_device(list(d.rows64), [d.block_table])
-        batch = Batch(input_ids=self.prev_tokens, positions=positions, slot_mapping=slots,
+        (positions, slots, counters, *kept_t), (block_table,) = self.staging.to_device(
+            list(d.rows64) + ([] if kept is None else [kept]), [d.block_table])
+        input_ids = self.prev_tokens if kept is None else self.prev_tokens[kept_t[0]]
+        if kept is not None and not fresh:  # the sampling settings of the rows that stay, gathered likewise
+            sp, rows = d.sampling, d.rows
+            d.sampling = SamplingBatch(temperature=sp.temperature[kept_t[0]], top_k=sp.top_k[kept_t[0]],
+                                       top_p=sp.top_p[kept_t[0]], seeds=sp.seeds[kept_t[0]], counters=None,
+                                       all_greedy=not self.temperature[rows].any(),
+                                       need_filter=bool(self.filtered[rows].any()))
+        batch = Batch(input_ids=input_ids, positions=positions, slot_mapping=slots,
                       query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
                       logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
         d.sampling.counters = counters
         return batch, d.sampling, out.requests
+
+    def _condense(self, d: DecodeRows, out, kept: np.ndarray):
+        """Some requests left since last step: the rows of those that stay (kept), in order, then one
+        token on (_advance). Their block-table rows are this runner's own, so nothing is rebuilt from
+        the requests."""
+        n = len(kept)
+        # C order, as np.stack made it: each of its rows is then one array, staged as it is (rows64)
+        d.steady, d.rows, d.ints64 = out.steady, d.rows[kept], np.ascontiguousarray(d.ints64[:, kept])
+        d.rows64, d.max_seq_len = tuple(d.ints64), int(d.ints64[2].max())
+        d.block_table = self._block_table(d.rows, d.max_seq_len)
+        d.query_start_loc, d.logits_indices = d.query_start_loc[:n + 1], d.logits_indices[:n]
+        self._advance(d, out)
 
     def _decode_rows(self, out) -> DecodeRows:
         """The decode batch of out's requests, from their rows and positions; what stays the same while
@@ -942,6 +979,7 @@ class ModelRunner:
         self.stats.gpu_end(start)
         self.stats.forward_s += time.perf_counter() - t0
         self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
+        self.prev_steady = out.steady
         return tokens
 
     def forward_and_sample(self, out, batch: Batch, sbatch: SamplingBatch) -> torch.Tensor:

@@ -282,9 +282,13 @@ class SteadyDecode:
     touches none either: the blocks it hands out wait in `entered` and join the requests' block_ids at
     hand_back too (appending them there, request by request, cost ~60 us of such a step at 256).
 
-    Valid while the running set is unchanged: a join, finish, abort or preemption drops it, and the next
-    step that decodes the whole running set builds a new one. Its tuple of requests is new with each
-    instance, so a runner can tell an unchanged batch by identity.
+    Valid while no request joins the running set: a join, abort or preemption drops it, and the next
+    step that decodes the whole running set builds a new one. Requests that finish only leave it
+    (`without`, as vLLM's persistent batch condenses): they get their counts, tokens and blocks back,
+    and the rest go on in a new, smaller instance that knows its `parent` and which of the parent's
+    requests it `kept`, so a runner can compact its rows and a step launched before the change can land
+    its tokens (`kept_of`). Its tuple of requests is new with each instance, so a runner can tell an
+    unchanged batch by identity.
     """
     requests: tuple[Request, ...]
     # (n,) int64 num_computed_tokens. Replaced each step, never changed in place: a plan's starts and its
@@ -298,6 +302,8 @@ class SteadyDecode:
     num_tokens: list[int]    # [1] * n and [True] * n: every plan's num_tokens and samples, one pair for all
     samples: list[bool]      # (a plan never changes), not two new lists a step
     entered: list = field(default_factory=list)  # (indices, their new blocks) of each boundary step
+    parent: "SteadyDecode | None" = None  # the set this one came from by `without` (one or two back)
+    kept: np.ndarray | None = None        # ... and the parent's indices of this one's requests
     num_steps: int = 0       # rows of `tokens` in use (one per planned step)
     landed: int = 0          # ... of which the first `landed` hold tokens (async: the last may be in flight)
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
@@ -333,18 +339,52 @@ class SteadyDecode:
         """Is any of these tokens a stop id of any request? (Exact when all share one eos.)"""
         return bool(self.stops) and not self.stops.isdisjoint(tokens.tolist())
 
-    def hand_back(self):
-        """The requests get their counts and the tokens held here (it is being dropped)."""
+    def hand_back(self, index: np.ndarray | None = None):
+        """The requests (all, or those at `index`) get their counts and the tokens held here, and every
+        request the blocks it was handed (it is being dropped, or they leave it)."""
         self.tokens[self.landed:self.num_steps] = PLACEHOLDER  # launched, not landed: filled by index later
-        held = self.tokens[:self.num_steps].T.tolist()  # (n, steps)
-        reqs = self.requests
-        for req, count, tokens in zip(reqs, self.computed.tolist(), held):
+        held, counts, reqs = self.tokens[:self.num_steps], self.computed, self.requests
+        if index is not None:
+            held, counts, leavers = held[:, index], counts[index], [reqs[i] for i in index.tolist()]
+        for req, count, tokens in zip(reqs if index is None else leavers, counts.tolist(), held.T.tolist()):
             assert req.status == RUNNING, f"{req.request_id} left the set before it was dropped"
             req.num_computed_tokens = count
             req.token_ids += tokens
         for due, blocks in self.entered:  # in the order they were handed out
             for i, block in zip(due.tolist(), blocks):
                 reqs[i].block_ids.append(block)
+        self.entered = []
+
+    def without(self, leaving: np.ndarray) -> "SteadyDecode | None":
+        """The set less the requests at `leaving` (indices), which get back what is held for them; None if
+        no one stays. The rest keep their counts and tokens here, in a new instance (see the class)."""
+        self.hand_back(leaving)
+        keep = np.ones(len(self.requests), dtype=bool)
+        keep[leaving] = False
+        kept = np.flatnonzero(keep)
+        if not len(kept):
+            return None
+        reqs, computed, last, attend_at = self.requests, self.computed[kept], self.last[kept], self.attend_at[kept]
+        countdown = int((last - computed).min())
+        # Rows for as long as the new set can stand (those who stay may have longer to go), as in `of`.
+        tokens = np.empty((max(len(self.tokens), min(self.num_steps + countdown + 2, STEADY_MAX_STEPS)),
+                           len(kept)), dtype=np.int64)
+        tokens[:self.num_steps] = self.tokens[:self.num_steps, kept]
+        # The stop ids stay those of the larger set: a superset only means a closer look (may_stop) sooner.
+        return SteadyDecode(tuple([reqs[i] for i in kept.tolist()]), computed, last, attend_at, self.stops,
+                            countdown=countdown, tokens=tokens,
+                            num_tokens=self.num_tokens[:len(kept)], samples=self.samples[:len(kept)],
+                            parent=self, kept=kept, num_steps=self.num_steps, landed=self.landed,
+                            quiet=int((attend_at - computed).min()), awaiting=self.awaiting)
+
+    def kept_of(self, older: "SteadyDecode") -> np.ndarray | None:
+        """older's indices of this set's requests, where this set came from older by `without`; else None."""
+        s, kept = self, None
+        while s is not older:
+            if s.parent is None:
+                return None
+            kept, s = (s.kept if kept is None else s.kept[kept]), s.parent
+        return kept
 
 
 class Scheduler:
@@ -391,11 +431,17 @@ class Scheduler:
     def _steady_step(self) -> SchedulerOutput | None:
         """The plan the general path would make when the running set is unchanged and each request has
         one token to compute (see SteadyDecode); None where it could differ: a waiting request could
-        join, a request's last allowed token is in flight (async), or free blocks are short."""
+        join, or free blocks are short."""
         s = self.steady
         if s is None or s.awaiting or s.num_steps == len(s.tokens) or \
                 (self.waiting and len(self.running) < self.max_num_seqs):
             return None
+        if s.parent is not None:  # what a launched step or the runner may still look for (kept_of)
+            s.parent.parent = None
+        if s.countdown <= 0:  # async: their last allowed token is in flight, so they leave the set now
+            s = self.steady = s.without(np.flatnonzero(s.computed >= s.last))  # (they finish as it lands)
+            if s is None:
+                return None
         starts, entering = s.computed, (NO_ONE, NO_ONE)
         if s.quiet <= 0:  # someone needs more than +1: the only steps that look at requests one by one
             entering = self._attend(s, starts)
@@ -411,12 +457,9 @@ class Scheduler:
         """The requests due for more than +1: each gets the block that its token starts.
         Returns the requests whose token starts a block and the block it goes to, or None (nothing
         changed) when the general path must plan this step."""
-        # Each numpy operation costs ~25 us the first time after a forward on the 2-core CPU, so what
-        # the counts already say is not computed again: countdown is min(last - starts).
-        if s.countdown <= 0:
-            return None  # async: someone's last allowed token is in flight; the general path leaves it out
         due = np.flatnonzero(starts >= s.attend_at)
-        # Short of its last allowed token, a request is due only where its token starts a block, and a
+        # Short of its last allowed token (_steady_step saw to those), a request is due only where its
+        # token starts a block, and a
         # request holds just the blocks its computed tokens fill (BlockManager.allocate): each needs one.
         if len(due) > self.blocks.num_free_blocks:
             return None  # the general path decides whom to preempt
@@ -571,9 +614,24 @@ class Scheduler:
             s, row, countdown = steady
             s.land(row, tokens)
             return self._steady_ended(s, index, countdown, tokens)
+        if steady is not None and self.steady is not None:
+            kept = self.steady.kept_of(steady[0])
+            if kept is not None:  # some left the set since the launch: theirs go into their lists
+                s, row, countdown = steady
+                self.steady.land(row, tokens[kept])
+                gone = np.ones(len(reqs), dtype=bool)
+                gone[kept] = False
+                gone = np.flatnonzero(gone).tolist()
+                ended = self._fill_lists([reqs[i] for i in gone], index[gone].tolist(), tokens[gone].tolist())
+                return self._steady_ended(self.steady, index[kept], countdown, tokens[kept], ended)
         if steady is not None:
             index = index.tolist()  # the set was dropped since the launch: the tokens go into the lists
-        tokens, ended = tokens.tolist(), []
+        return self._finished(self._fill_lists(reqs, index, tokens.tolist()))
+
+    def _fill_lists(self, reqs, index: list[int], tokens: list[int]) -> list[tuple[Request, int, int]]:
+        """fill() for requests whose tokens are in token_ids: each token at its PLACEHOLDER; returns
+        (request, index, token) of those it finishes."""
+        ended = []
         for req, i, token in zip(reqs, index, tokens):
             ids = req.token_ids
             if req.status == FINISHED or i >= len(ids):
@@ -582,7 +640,7 @@ class Scheduler:
             ids[i] = token
             if token in req.stop_ids or i + 1 >= req.max_len:
                 ended.append((req, i, token))
-        return self._finished(ended)
+        return ended
 
     def update(self, out: SchedulerOutput, tokens) -> list[Request]:
         """Sync step: append each sampling request's token and check its stops."""
@@ -603,21 +661,29 @@ class Scheduler:
         s.append(tokens)
         return self._steady_ended(s, s.computed, s.countdown, tokens)
 
-    def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray) -> list:
-        """The requests of s that a step's tokens (at index, with countdown steps to the first last token)
-        finish; looked at one by one only when some token is a stop id of some request, or someone
-        reached its last token."""
+    def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray,
+                      ended: list = ()) -> list[Request]:
+        """Finish the requests of s (the standing set) that a step's tokens end (at index, with countdown
+        steps to the first last token), and `ended`, which are not in s; s is looked at one by one only
+        when some token is a stop id of some request, or someone reached its last token. Those it
+        finishes leave it (without), and the rest go on as the standing set."""
         if countdown > 0 and not s.may_stop(tokens):
-            return []  # no one's last token, no one's stop id: no one to look at
-        return self._finished([(req, i, token) for req, i, token in zip(s.requests, index.tolist(), tokens.tolist())
-                               if token in req.stop_ids or i + 1 >= req.max_len])
+            return self._finished(ended, keep_steady=True)  # no one's last token, no one's stop id
+        stopped = [k for k, (req, i, token) in enumerate(zip(s.requests, index.tolist(), tokens.tolist()))
+                   if token in req.stop_ids or i + 1 >= req.max_len]
+        if stopped:
+            ended = [*ended, *((s.requests[k], int(index[k]), int(tokens[k])) for k in stopped)]
+            self.steady = s.without(np.array(stopped, dtype=np.int64))
+        return self._finished(ended, keep_steady=True)
 
-    def _finished(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
+    def _finished(self, ended: list[tuple[Request, int, int]], keep_steady: bool = False) -> list[Request]:
         """Finish each request whose new token (request, index, token) ends it: a stop id, or the last
-        allowed index. Returns them."""
+        allowed index. Returns them. The standing set is dropped, unless the caller has already taken
+        them out of it (keep_steady)."""
         if not ended:
             return []
-        self._drop_steady()  # the running set changes, and its tokens must be in token_ids to be cut
+        if not keep_steady:
+            self._drop_steady()  # the running set changes, and its tokens must be in token_ids to be cut
         for req, i, token in ended:
             del req.token_ids[i + 1:]  # async: tokens already launched after the stop are dropped
             if req.status == WAITING:  # async: preempted since its step was launched

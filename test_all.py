@@ -1020,25 +1020,35 @@ def _blocks_of(engine, req) -> list[int]:
     return blocks
 
 
-@pytest.mark.parametrize("seed", range(6))
+def _leaving_workload():
+    """Six requests that leave one by one, a few quiet steps apart, in a cache too small for all."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4096) for _ in range(rng.randint(5, 40))] for _ in range(6)]
+    params = [dict(max_tokens=6 + 7 * i, ignore_eos=True, temperature=0.7 * (i % 2), seed=i) for i in range(6)]
+    return prompts, params, 30, {}
+
+
+@pytest.mark.parametrize("seed", [*range(6), "leaving"])
 @pytest.mark.parametrize("use_async", [False, True])
 def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_async, no_placeholder_hashed):
     """A decode step of an unchanged running set takes a fast path: the scheduler advances SteadyDecode's
     arrays instead of visiting each request, and the runner advances DecodeRows instead of rebuilding
-    the batch. Two engines run the same workload in lock-step, one with the fast path off: every step
-    must plan the same requests, positions and blocks and stage the same batch, across block
-    boundaries, stops, joins (4 slots on odd seeds), aborts and preemption."""
-    prompts, raw, num_blocks, aborts = _random_workload(seed)
+    the batch; requests that finish leave both (SteadyDecode.without, ModelRunner._condense). Two
+    engines run the same workload in lock-step, one with the fast path off: every step must plan the
+    same requests, positions and blocks and stage the same batch, across block boundaries, stops,
+    leavers, joins (4 slots on odd seeds), aborts and preemption."""
+    prompts, raw, num_blocks, aborts = _random_workload(seed) if seed != "leaving" else _leaving_workload()
     first = run(Engine(model="tiny"), prompts, [SamplingParams(**kw) for kw in raw])
     for i, (kw, o) in enumerate(zip(raw, first)):
         if i % 2 and len(o.token_ids) > 2:  # a stop token that fires mid-stream
             kw["stop_token_ids"] = [o.token_ids[len(o.token_ids) // 2]]
     params = [SamplingParams(**kw) for kw in raw]
-    engines = [Engine(model="tiny", num_blocks=num_blocks, max_num_seqs=4 if seed % 2 else 256) for _ in range(2)]
+    engines = [Engine(model="tiny", num_blocks=num_blocks, max_num_seqs=4 if seed in (1, 3, 5) else 256) for _ in range(2)]
     engines[1].scheduler._steady_step = lambda: None  # the general path only
-    fast_plans, logs = [], [[], []]
-    steady_step = engines[0].scheduler._steady_step
+    fast_plans, logs, condensed = [], [[], []], []
+    steady_step, condense = engines[0].scheduler._steady_step, engines[0].runner._condense
     engines[0].scheduler._steady_step = lambda: fast_plans.append(steady_step()) or fast_plans[-1]
+    engines[0].runner._condense = lambda *a: condensed.append(1) or condense(*a)
     for engine, log in zip(engines, logs):
         def logged(out, prepare=engine.runner.prepare, log=log):
             batch, sbatch, sampling = prepare(out)
@@ -1062,6 +1072,8 @@ def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_asy
                     engine.abort(rids[i])
     assert done[0] == done[1] and any(reason == "stop" for _, reason in done[0].values())
     assert sum(p is not None for p in fast_plans) >= steps // 4, "the fast path was hardly taken"
+    if seed == "leaving":  # most leave on the fast path: a stop, or (async) a last token in flight
+        assert len(condensed) >= 4, "finished requests did not leave the steady decode"
     for engine in engines:
         check_clean(engine)
 
