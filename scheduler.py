@@ -359,9 +359,7 @@ class SteadyDecode:
         """The set less the requests at `leaving` (indices), which get back what is held for them; None if
         no one stays. The rest keep their counts and tokens here, in a new instance (see the class)."""
         self.hand_back(leaving)
-        keep = np.ones(len(self.requests), dtype=bool)
-        keep[leaving] = False
-        kept = np.flatnonzero(keep)
+        kept = np.setdiff1d(np.arange(len(self.requests)), leaving)
         if not len(kept):
             return None
         reqs, computed, last, attend_at = self.requests, self.computed[kept], self.last[kept], self.attend_at[kept]
@@ -459,8 +457,8 @@ class Scheduler:
         changed) when the general path must plan this step."""
         due = np.flatnonzero(starts >= s.attend_at)
         # Short of its last allowed token (_steady_step saw to those), a request is due only where its
-        # token starts a block, and a
-        # request holds just the blocks its computed tokens fill (BlockManager.allocate): each needs one.
+        # token starts a block, and a request holds just the blocks its computed tokens fill
+        # (BlockManager.allocate): each needs one.
         if len(due) > self.blocks.num_free_blocks:
             return None  # the general path decides whom to preempt
         blocks = self.blocks.take(len(due))
@@ -619,9 +617,7 @@ class Scheduler:
             if kept is not None:  # some left the set since the launch: theirs go into their lists
                 s, row, countdown = steady
                 self.steady.land(row, tokens[kept])
-                gone = np.ones(len(reqs), dtype=bool)
-                gone[kept] = False
-                gone = np.flatnonzero(gone).tolist()
+                gone = np.setdiff1d(np.arange(len(reqs)), kept).tolist()
                 ended = self._fill_lists([reqs[i] for i in gone], index[gone].tolist(), tokens[gone].tolist())
                 return self._steady_ended(self.steady, index[kept], countdown, tokens[kept], ended)
         if steady is not None:
