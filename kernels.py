@@ -33,12 +33,12 @@ MIN_PROGRAMS = 256
 # with their number (H200: 2.4 us at 8, 46 us at 16384, against ~125 us for torch's sort at 8K-32K); past
 # this many it is expected to lose to the parallel sort of the torch path. Both are sync-free.
 MOE_ALIGN_KERNEL_MAX_ASSIGNMENTS = 32768
-# moe: up to this many tokens take the decode path (two GEMV kernels, one program per assignment, the
-# routing inside them: no moe_route, moe_align or silu_and_mul launch, the top-k sum in registers)
-# instead of sorting assignments into padded blocks. At 4 tokens x top-8 of 128 experts nearly every assignment has an expert to itself, so
+# fused_moe: up to this many tokens take the decode path (two GEMV kernels, one program per assignment,
+# no moe_align, no silu_and_mul launch, the top-k sum in registers) instead of sorting assignments into
+# padded blocks. At 4 tokens x top-8 of 128 experts nearly every assignment has an expert to itself, so
 # sorting saves no weight reads and costs three launches; with more tokens, assignments that share an
 # expert each re-read its weights and the sorted path should win. A guess: tune it on the H200 with the
-# moe_decode rows of `run.py kernels --only moe`.
+# fused_moe_decode rows of `run.py kernels --only moe`.
 MOE_DECODE_MAX_TOKENS = 4
 # ... whose gate_up kernel takes (BLOCK_N, BLOCK_K, num_warps) = these on 16-bit weights: narrower, shorter
 # tiles than linear()'s (two 2 KB tiles a step, 768 programs at 1 token) measured fastest in an H200
@@ -865,53 +865,22 @@ def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The MoE block at decode: routing inside the expert kernels, a GEMV per assignment, the top-k sum in
-# registers
+# Fused MoE at decode: a GEMV per assignment, no sorting; the weighted top-k sum in registers
 # ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _route(logits_ptr, t, NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr,
-           RENORM: tl.constexpr):
-    """Token t's routing as moe_route makes it, in registers: every expert's rank (0 = the best; on a tie
-    the lower id first, as moe_route picks) and weight (softmax in float32; with RENORM divided by the
-    top k's sum; rounded to the logits' dtype, as moe_route stores it). Returns (experts, rank, weight),
-    each [EXPERTS_PAD]. One [E, E] comparison instead of k rounds of max: a program needs its slot's
-    expert, and k dependent reductions would stand between the wait and its first weight load."""
-    experts = tl.arange(0, EXPERTS_PAD)
-    x = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS,
-                other=-float("inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)  # padding lanes are 0, and rank behind every real expert (a higher id)
-    ahead = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (experts[None, :] < experts[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), axis=1)  # [EXPERTS_PAD]: the experts ahead of each
-    if RENORM:
-        p = p / tl.sum(tl.where(rank < TOP_K, p, 0.0), axis=0)
-    return experts, rank, p.to(logits_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _slot(experts, rank, weight, j):
-    """The expert in routing slot j (rank j) and its weight."""
-    pick = rank == j
-    return tl.sum(tl.where(pick, experts, 0), axis=0).to(tl.int64), tl.sum(tl.where(pick, weight, 0.0), axis=0)
 
 
 @triton.jit
 def _moe_decode_gate_up_kernel(
     x_ptr,  # [N, D] tokens, row stride stride_xm
     w_ptr,  # [E, 2I, D] expert gate_up weights, gate rows first
-    logits_ptr,  # [N, E] router logits, contiguous
-    act_ptr,  # [A, I] float32 out: silu(gate) * up, row a = token * TOP_K + slot
+    topk_ids_ptr,  # [A] contiguous: expert of assignment a = token * top_k + j
+    act_ptr,  # [A, I] float32 out: silu(gate) * up
+    top_k,
     inter,  # I
     hidden,  # D
     stride_xm,
     stride_we,
     stride_wn,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    RENORM: tl.constexpr,  # as moe_route's renormalize
     BLOCK_N: tl.constexpr,  # gate (and as many up) rows per program
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
@@ -920,12 +889,10 @@ def _moe_decode_gate_up_kernel(
     # One row of activations: plain FMAs into one accumulator per loaded weight element, summed over K
     # once after the loop, as linear()'s M = 1 path does (tl.dot would pad the single row to 16).
     a = tl.program_id(0)
-    t = a // TOP_K
-    experts, rank, _ = _route(logits_ptr, t, NUM_EXPERTS, EXPERTS_PAD, TOP_K, RENORM)
-    expert, _ = _slot(experts, rank, 0.0 * rank, a % TOP_K)  # this program's expert (its weight: down's)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    x_row = x_ptr + t.to(tl.int64) * stride_xm
+    expert = tl.load(topk_ids_ptr + a).to(tl.int64)
+    x_row = x_ptr + (a // top_k).to(tl.int64) * stride_xm
     gate_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     up_rows = gate_rows + inter * stride_wn
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -945,77 +912,67 @@ def _moe_decode_gate_up_kernel(
 
 @triton.jit
 def _moe_decode_down_kernel(
-    act_ptr,  # [A, I] float32, row token * TOP_K + slot
+    act_ptr,  # [A, I] float32, row token * top_k + j
     w_ptr,  # [E, D, I] expert down weights
-    logits_ptr,  # [N, E] router logits, contiguous
+    topk_ids_ptr,  # [A] contiguous
+    topk_weights_ptr,  # [A] contiguous router weights
     out_ptr,  # [N, D] contiguous
+    top_k,
     hidden,  # D, output features
     inter,  # I
     stride_we,
     stride_wn,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,  # TOP_K rounded up to a power of two
-    RENORM: tl.constexpr,  # as moe_route's renormalize
     BLOCK_N: tl.constexpr,  # output features per program
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # with PDL: ask L2 for this many elements of each weight row before the wait
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
 ):
-    # A program owns BLOCK_N output features of one token, and its weight tile is those rows of every one
-    # of the token's experts: row r is slot r // BLOCK_N, feature r % BLOCK_N. So all TOP_K experts'
-    # loads are in flight at once, and the weighted sum over experts happens in registers, in the same
-    # order on every run: no atomics, no [A, D] intermediate, no separate sum.
-    t = tl.program_id(0)
-    r = tl.arange(0, K_PAD * BLOCK_N)
-    slot = r // BLOCK_N
-    cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    row_ok = (slot < TOP_K) & (cols < hidden)
-    # The router's logits are two kernels back (the router matmul, then gate_up), and a kernel launches
-    # this one only after its own wait, so under PDL they are complete before any program here starts:
-    # the routing, and the weight rows on their way into L2, overlap gate_up.
-    experts, rank, weight = _route(logits_ptr, t, NUM_EXPERTS, EXPERTS_PAD, TOP_K, RENORM)
-    pick = rank[None, :] == slot[:, None]  # [K_PAD * BLOCK_N, EXPERTS_PAD]: each row's expert
-    row_expert = tl.sum(tl.where(pick, experts[None, :], 0), axis=1).to(tl.int64)
-    row_weight = tl.sum(tl.where(pick, weight[None, :], 0.0), axis=1)
-    w_offs = (row_expert * stride_we + cols.to(tl.int64) * stride_wn)[:, None]  # [K_PAD * BLOCK_N, 1]
-    if PDL and PREFETCH > 0:
-        _prefetch_l2(w_ptr, w_offs, row_ok, inter, PREFETCH)
     _wait_for_inputs(PDL)
-    act_rows = act_ptr + (t * TOP_K + slot).to(tl.int64)[:, None] * inter  # an expert's row, BLOCK_N times
-    acc = tl.zeros([K_PAD * BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (ks < inter)[None, :]
-        h = tl.load(act_rows + ks[None, :], mask=mask, other=0.0)  # float32, from L1 after the first row
-        w = tl.load(w_ptr + w_offs + ks[None, :], mask=mask, other=0.0)  # K contiguous: 16-byte loads
-        acc += w.to(tl.float32) * h
-    per_slot = tl.sum(acc, axis=1) * row_weight  # [K_PAD * BLOCK_N]: w_j * (W_j @ h_j), feature by feature
-    out = tl.sum(tl.reshape(per_slot, [K_PAD, BLOCK_N]), axis=0)  # [BLOCK_N]
+    # A program owns BLOCK_N output features of one token and walks that token's top_k experts in order,
+    # so the weighted sum over experts happens in registers, in the same order on every run: no atomics,
+    # no [A, D] intermediate, no separate sum. The router weight scales the activation row (w * (W @ h)
+    # = W @ (w * h)), so one accumulator serves all experts and is reduced over K once at the end.
+    # One flat loop over (expert, K step), not a loop over experts around a loop over K: the pipeliner
+    # then issues the next experts' loads while this one's multiply-adds run. Nested, each expert (one
+    # K step at I = 768) was a round trip of its own: 10.5 against 9.8 us at 1 token, 29.0 against 21.2
+    # at 4 (H200, Qwen3-30B-A3B's down, expert ids cycling so none is found in L2).
+    t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=cols < hidden)
+    col_ok = cols < hidden
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_steps = tl.cdiv(inter, BLOCK_K)
+    for i in range(0, top_k * k_steps):
+        j = i // k_steps  # the expert slot, then the K step within its row
+        ks = (i - j * k_steps) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = t * top_k + j
+        expert = tl.load(topk_ids_ptr + a).to(tl.int64)
+        router_w = tl.load(topk_weights_ptr + a).to(tl.float32)
+        h = tl.load(act_ptr + a.to(tl.int64) * inter + ks, mask=k_ok, other=0.0) * router_w  # [BLOCK_K] fp32
+        w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * h[None, :]
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def moe_decode_blocks(kernel: str, rows: int, n_out: int, k_in: int, element_size: int,
-                      top_k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a decode MoE kernel whose grid is rows x cdiv(n_out, BLOCK_N):
-    "gate_up" (rows are assignments) streams two [BLOCK_N, BLOCK_K] weight tiles per K step, "down" (rows
-    are tokens) one of top_k * BLOCK_N rows (top_k rounded up to a power of two).
+def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int,
+                      tiles: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a decode MoE kernel whose grid is rows x cdiv(n_out, BLOCK_N) and
+    which streams `tiles` [BLOCK_N, BLOCK_K] weight tiles per K step (2 for gate_up, 1 for down).
 
     gate_up on 16-bit weights takes MOE_DECODE_GATE_UP_BLOCKS, an H200 sweep's best. Otherwise linear()'s
     M = 1 rules: the widest BLOCK_N up to 16 that still leaves MIN_PROGRAMS programs (two per SM), and
-    LINEAR_TILE_BYTES of weights per program per step, narrower when K is short. Down, whose programs each
-    stream top_k experts, takes narrower tiles and twice the programs: up to 8 rows, 2 x MIN_PROGRAMS.
-    Qwen3-30B-A3B's down in bf16 then gets 512 programs of 4 features at 1 token, a 32 x 256 tile.
-    A separate function so a sweep can pass other triples to moe_decode."""
-    if kernel == "gate_up" and element_size == 2:
+    LINEAR_TILE_BYTES of weights per program per step, narrower when K is short. Down, whose loop runs
+    ahead across experts, takes narrower tiles and twice the programs: up to 8 rows, 2 x MIN_PROGRAMS.
+    Qwen3-30B-A3B's down in bf16 then gets 512 tiles of 4 rows at 1 token and 1024 of 8 at 4, BLOCK_K 1024
+    (I = 768 of 1024 lanes), an H200 sweep's best (9.8 against 9.9 us for 8 rows at 1 token, 21.2 against
+    22.2 for 16 at 4). A separate function so a sweep can pass other triples to fused_moe_decode."""
+    if tiles == 2 and element_size == 2:
         return MOE_DECODE_GATE_UP_BLOCKS
-    tiles = 2 if kernel == "gate_up" else _next_pow2(top_k)
-    block_n, min_programs = (16, MIN_PROGRAMS) if kernel == "gate_up" else (8, 2 * MIN_PROGRAMS)
+    block_n, min_programs = (16, MIN_PROGRAMS) if tiles == 2 else (8, 2 * MIN_PROGRAMS)
     while block_n > 1 and rows * triton.cdiv(n_out, block_n) < min_programs:
         block_n //= 2
-    block_k = max(1, min(LINEAR_TILE_BYTES // (tiles * block_n * element_size), _next_pow2(k_in)))
+    block_k = min(LINEAR_TILE_BYTES // (tiles * block_n * element_size), _next_pow2(k_in))
     # 8 warps spread a 16 KB tile at 4 x 16 B loads per thread (32 fp32 accumulators), as linear() does.
     return block_n, block_k, _elementwise_warps(tiles * block_n * block_k)
 
@@ -1027,116 +984,68 @@ def _check_decode_blocks(name: str, blocks) -> None:
             raise ValueError(f"{name}: {what}={v} is invalid: it must be a power of two")
 
 
-def moe_decode(
+def fused_moe_decode(
     x: torch.Tensor,
-    router_logits: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
     gate_up_blocks: tuple[int, int, int] | None = None,
     down_blocks: tuple[int, int, int] | None = None,
-    prefetch: bool = True,
 ) -> torch.Tensor:
-    """moe() for a few tokens, in two launches and no moe_route: a gate_up GEMV with silu * up per
-    assignment, then a down GEMV per token that sums its top_k experts; each kernel routes the token
-    itself from the router's logits (see _route), as moe_route would. Same arguments and result as moe
-    (reference: moe_ref); *_blocks override moe_decode_blocks' (BLOCK_N, BLOCK_K, num_warps), and
-    prefetch=False keeps the down kernel from asking L2 for its weights before its PDL wait (a sweep's
-    A/B).
+    """fused_moe for a few tokens, in two launches: a gate_up GEMV with silu * up per assignment, then a
+    down GEMV per token that sums its top_k experts. Same arguments and result as fused_moe (reference:
+    fused_moe_ref); *_blocks override moe_decode_blocks' (BLOCK_N, BLOCK_K, num_warps).
 
     Every assignment streams its expert's weights on its own, so two tokens that share an expert read it
     twice: right for a handful of tokens (see MOE_DECODE_MAX_TOKENS), wasteful for a batch."""
-    _check_moe_args(x, router_logits, gate_up, down, top_k)
+    _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids)
     n, d = x.shape
-    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    inter, top_k = gate_up.shape[1] // 2, topk_ids.shape[1]
     num_assignments = n * top_k
     if num_assignments == 0:
         return torch.zeros_like(x)
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)  # every element written by the down kernel
-    gate_up_blocks = gate_up_blocks or moe_decode_blocks("gate_up", num_assignments, inter, d,
-                                                         gate_up.element_size(), top_k)
-    down_blocks = down_blocks or moe_decode_blocks("down", n, d, inter, down.element_size(), top_k)
+    gate_up_blocks = gate_up_blocks or moe_decode_blocks(num_assignments, inter, d, gate_up.element_size(), 2)
+    down_blocks = down_blocks or moe_decode_blocks(n, d, inter, down.element_size(), 1)
     _check_decode_blocks("gate_up_blocks", gate_up_blocks)
     _check_decode_blocks("down_blocks", down_blocks)
-    route = dict(NUM_EXPERTS=num_experts, EXPERTS_PAD=_next_pow2(num_experts), TOP_K=top_k, RENORM=renormalize)
+    ids = topk_ids.contiguous()  # [N, k]: no copy for moe_route's outputs
+    router_w = topk_weights.contiguous()
     # float32 between the kernels: 24 KB at 1 token x top-8 x I=768, read from L2, and the output is
     # rounded once, at the end.
     act = torch.empty((num_assignments, inter), dtype=torch.float32, device=x.device)  # [A, I]
     block_n, block_k, num_warps = gate_up_blocks
     _moe_decode_gate_up_kernel[(num_assignments, triton.cdiv(inter, block_n))](
-        x, gate_up, router_logits, act, inter, d, x.stride(0), gate_up.stride(0), gate_up.stride(1), **route,
+        x, gate_up, ids, act, top_k, inter, d, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, **_pdl(x.device), num_warps=num_warps,
     )
     block_n, block_k, num_warps = down_blocks
     _moe_decode_down_kernel[(n, triton.cdiv(d, block_n))](
-        act, down, router_logits, out, d, inter, down.stride(0), down.stride(1), **route,
-        K_PAD=_next_pow2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=_next_pow2(inter) if prefetch else 0,
-        **_pdl(x.device), num_warps=num_warps,
+        act, down, ids, router_w, out, top_k, d, inter, down.stride(0), down.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, **_pdl(x.device), num_warps=num_warps,
     )
     return out
 
 
-def _check_moe_args(x, router_logits, gate_up, down, top_k) -> None:
-    _check_experts(x, gate_up, down)
-    n, e = x.shape[0], gate_up.shape[0]
-    if router_logits.shape != (n, e) or not router_logits.is_contiguous():
-        raise ValueError(f"router_logits must be a contiguous [{n}, E={e}] matrix, got {tuple(router_logits.shape)}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k={top_k} must be in [1, E={e}]")
-
-
-def moe(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    decode_max_tokens: int = MOE_DECODE_MAX_TOKENS,
-) -> torch.Tensor:
-    """A MoE block after its router matmul: route each token to its top_k experts (as moe_route) and mix
-    their outputs by weight (as fused_moe). x [N, D], router_logits [N, E], gate_up [E, 2I, D] (gate rows
-    first), down [E, D, I] -> [N, D]. Up to decode_max_tokens tokens take moe_decode (the routing inside
-    the expert kernels); more run moe_route, then fused_moe's sorted grouped GEMM. A benchmark forces the
-    sorted path with 0, the decode path with N."""
-    _check_moe_args(x, router_logits, gate_up, down, top_k)
-    if decode_max_tokens < 0:
-        raise ValueError(f"decode_max_tokens={decode_max_tokens} is invalid: it must be >= 0")
-    if x.shape[0] <= decode_max_tokens:
-        return moe_decode(x, router_logits, gate_up, down, top_k, renormalize)
-    weights, ids = moe_route(router_logits, top_k, renormalize)
-    return fused_moe(x, gate_up, down, weights, ids)
-
-
-def moe_ref(x, router_logits, gate_up, down, top_k: int, renormalize: bool) -> torch.Tensor:
-    _check_moe_args(x, router_logits, gate_up, down, top_k)
-    return fused_moe_ref(x, gate_up, down, *moe_route_ref(router_logits, top_k, renormalize))
-
-
-def _check_experts(x, gate_up, down) -> None:
+def _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids) -> None:
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"expected x [N, D], gate_up [E, 2I, D], down [E, D, I], got shapes "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
-    d = x.shape[1]
+    n, d = x.shape
     e, two_i, _ = gate_up.shape
     if gate_up.shape[2] != d or down.shape != (e, d, two_i // 2) or two_i % 2:
         raise ValueError(f"gate_up must be [E, 2I, {d}] and down [E, {d}, I], got "
                          f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"gate_up and down must have x's dtype {x.dtype}, got {gate_up.dtype} and {down.dtype}")
-    for name, t in (("x", x), ("gate_up", gate_up), ("down", down)):
-        _check_last_dim_contiguous(name, t)
-
-
-def _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids) -> None:
-    _check_experts(x, gate_up, down)
-    n = x.shape[0]
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights must both be [{n}, k], got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"gate_up and down must have x's dtype {x.dtype}, got {gate_up.dtype} and {down.dtype}")
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down)):
+        _check_last_dim_contiguous(name, t)
 
 
 def fused_moe(
@@ -1145,13 +1054,18 @@ def fused_moe(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    decode_max_tokens: int = MOE_DECODE_MAX_TOKENS,
 ) -> torch.Tensor:
     """out[n] = sum_j w[n, j] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])), e = topk_ids[n, j].
 
     x [N, D], gate_up [E, 2I, D] (gate rows first), down [E, D, I], topk_* [N, k] -> out [N, D].
-    Sorts the assignments by expert (moe_align), then a grouped GEMM per projection: the batch path of
-    moe(), whose decode path (moe_decode) routes inside its kernels instead."""
+    Up to decode_max_tokens tokens run fused_moe_decode; more sort the assignments by expert and run a
+    grouped GEMM per projection. A benchmark forces the sorted path with 0, the decode path with N."""
     _check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids)
+    if decode_max_tokens < 0:
+        raise ValueError(f"decode_max_tokens={decode_max_tokens} is invalid: it must be >= 0")
+    if x.shape[0] <= decode_max_tokens:
+        return fused_moe_decode(x, gate_up, down, topk_weights, topk_ids)
     n, d = x.shape
     num_experts, two_i, _ = gate_up.shape
     top_k = topk_ids.shape[1]

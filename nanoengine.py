@@ -212,7 +212,7 @@ class EngineConfig:
 # ----------------------------------------------------------------------------------------------------------
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
-OPS = ("rmsnorm", "add_rmsnorm", "moe_route", "moe", "rope_write_kv", "paged_attention",
+OPS = ("rmsnorm", "add_rmsnorm", "moe_route", "fused_moe", "rope_write_kv", "paged_attention",
        "decode_attention", "race_sample")
 
 
@@ -350,11 +350,10 @@ class MoE(nn.Module):
         del self.experts
 
     def forward(self, x, ops):
-        logits = linear(ops, self.gate, x)  # (T, E)
-        if hasattr(self, "w_gate_up"):  # route (at decode, inside the expert kernels) and mix, fused
-            return ops.moe(x, logits, self.w_gate_up, self.w_down, self.top_k, self.norm_topk_prob)
         # softmax in float32 as HF does, top k, renormalised if the config says so: (T, k) each
-        weights, ids = ops.moe_route(logits, self.top_k, self.norm_topk_prob)
+        weights, ids = ops.moe_route(linear(ops, self.gate, x), self.top_k, self.norm_topk_prob)
+        if hasattr(self, "w_gate_up"):
+            return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
         # Unfused: one small matmul chain per expert that got tokens (and a host sync per expert to know).
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):

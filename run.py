@@ -329,7 +329,7 @@ QWEN3_0_6B = dict(hidden=1024, inter=3072, heads=16, kv_heads=8, head_dim=128)
 QWEN3_30B_A3B_MOE = dict(hidden=2048, moe_inter=768, experts=128, top_k=8)
 TOKENS = (1, 16, 256)
 MOE_TOKENS = (1, 16, 64, 256)
-MOE_DECODE_TOKENS = (1, 2, 4, 8, 16)  # both moe paths, forced, to place kernels.MOE_DECODE_MAX_TOKENS
+MOE_DECODE_TOKENS = (1, 2, 4, 8, 16)  # both fused_moe paths, forced, to place kernels.MOE_DECODE_MAX_TOKENS
 DECODE_BATCHES = (1, 16, 64)
 DECODE_CONTEXTS = (128, 1024, 8192)
 BF16 = torch.bfloat16
@@ -410,48 +410,43 @@ def _moe_loop(x, gate_up, down, topk_weights, topk_ids):
 
 
 def _moe_case(n: int, weights) -> tuple[tuple, torch.Tensor, int, float]:
-    """(fused_moe's arguments, bf16 router logits, experts touched, floor bytes) for n random tokens."""
-    d, e, top_k = (QWEN3_30B_A3B_MOE[k] for k in ("hidden", "experts", "top_k"))
+    """(fused_moe's arguments, router scores, experts touched, floor bytes) for n random tokens."""
+    d, inter, e, top_k = (QWEN3_30B_A3B_MOE[k] for k in ("hidden", "moe_inter", "experts", "top_k"))
     gate_up, down = weights
     x = torch.randn(n, d, device="cuda", dtype=BF16)
-    logits = torch.randn(n, e, device="cuda", dtype=BF16)
-    topk_weights, topk_ids = kernels.moe_route(logits, top_k, True)
+    scores = torch.randn(n, e, device="cuda")
+    topk_weights, topk_ids = torch.topk(torch.softmax(scores, dim=-1), top_k, dim=-1)
     touched = topk_ids.unique().numel()  # on the host, outside the timing
-    floor_bytes = touched * 3 * QWEN3_30B_A3B_MOE["moe_inter"] * d * BYTES + 2 * n * d * BYTES  # each read once
-    return (x, gate_up, down, topk_weights, topk_ids), logits, touched, floor_bytes
+    floor_bytes = touched * 3 * inter * d * BYTES + 2 * n * d * BYTES  # each touched expert read once
+    return (x, gate_up, down, topk_weights, topk_ids), scores, touched, floor_bytes
 
 
 def _bench_moe(out_lines, n: int, weights) -> None:
     e, top_k = QWEN3_30B_A3B_MOE["experts"], QWEN3_30B_A3B_MOE["top_k"]
-    args, logits, touched, floor_bytes = _moe_case(n, weights)
+    args, scores, touched, floor_bytes = _moe_case(n, weights)
     loop_us = _time_us(lambda: _moe_loop(*args), graph=False)
-    x, gate_up, down, _, _ = args
-    _report(out_lines, "moe", dict(tokens=n, experts_touched=touched),
-            lambda: kernels.moe(x, logits, gate_up, down, top_k, True),
-            lambda: kernels.moe_ref(x, logits, gate_up, down, top_k, True), floor_bytes,
+    _report(out_lines, "fused_moe", dict(tokens=n, experts_touched=touched),
+            lambda: kernels.fused_moe(*args), lambda: kernels.fused_moe_ref(*args), floor_bytes,
             ref_graph=False, loop_us=round(loop_us, 2))
+    logits = scores.to(BF16)
     _report(out_lines, "moe_route", dict(tokens=n), lambda: kernels.moe_route(logits, top_k, True),
             lambda: kernels.moe_route_ref(logits, top_k, True), n * e * BYTES + n * top_k * (8 + BYTES))
 
 
 def _bench_moe_paths(out_lines, n: int, weights) -> None:
-    """moe forced onto its decode path (us; routing inside its two kernels) against its batch path
-    (ref_us; moe_route, then fused_moe's sorted grouped GEMM) at n tokens, and the decode path without
-    the down kernel's L2 prefetch (no_prefetch_us). Same floor for all: the decode path re-reads an
-    expert for every token routed to it (from L2 if it is lucky), so its pct_of_bw falls as tokens share
-    experts, and the threshold belongs where us passes ref_us."""
-    args, logits, touched, floor_bytes = _moe_case(n, weights)
-    x, gate_up, down, _, topk_ids = args
-    top_k = topk_ids.shape[1]
-    decode, batch_path = (lambda: kernels.moe(x, logits, gate_up, down, top_k, True, decode_max_tokens=n),
-                          lambda: kernels.moe(x, logits, gate_up, down, top_k, True, decode_max_tokens=0))
-    torch.testing.assert_close(decode(), batch_path(), atol=3e-2, rtol=3e-2)  # bf16, as the GPU tests
-    no_prefetch_us = _time_us(lambda: kernels.moe_decode(x, logits, gate_up, down, top_k, True, prefetch=False))
+    """fused_moe forced onto its decode path (us) against its sorted path (ref_us) at n tokens. Same floor
+    for both: the decode path re-reads an expert for every token routed to it (from L2 if it is lucky), so
+    its pct_of_bw falls as tokens share experts, and the threshold belongs where us passes ref_us."""
+    args, _, touched, floor_bytes = _moe_case(n, weights)
+    x, gate_up, _, _, topk_ids = args
+    decode, sorted_path = (lambda: kernels.fused_moe(*args, decode_max_tokens=n),
+                           lambda: kernels.fused_moe(*args, decode_max_tokens=0))
+    torch.testing.assert_close(decode(), sorted_path(), atol=3e-2, rtol=3e-2)  # bf16, as the GPU tests
     inter, num_assignments = gate_up.shape[1] // 2, topk_ids.numel()
-    _report(out_lines, "moe_decode", dict(tokens=n, experts_touched=touched), decode, batch_path,
-            floor_bytes, ref="moe batch path", no_prefetch_us=round(no_prefetch_us, 2),
-            gate_up_blocks=kernels.moe_decode_blocks("gate_up", num_assignments, inter, x.shape[1], BYTES, top_k),
-            down_blocks=kernels.moe_decode_blocks("down", n, x.shape[1], inter, BYTES, top_k))
+    _report(out_lines, "fused_moe_decode", dict(tokens=n, experts_touched=touched), decode, sorted_path,
+            floor_bytes, ref="fused_moe sorted path",
+            gate_up_blocks=kernels.moe_decode_blocks(num_assignments, inter, x.shape[1], BYTES, 2),
+            down_blocks=kernels.moe_decode_blocks(n, x.shape[1], inter, BYTES, 1))
 
 
 def _bench_decode_attention(out_lines, b: int, ctx: int, width: int = 0) -> None:

@@ -1462,7 +1462,7 @@ def test_kernel_fused_moe(n, top_k, num_experts, d, inter, only):
     gate_up = _randn(num_experts, 2 * inter, d, seed=12) / d**0.5
     down = _randn(num_experts, d, inter, seed=13) / inter**0.5
     weights, ids = _routing(n, top_k, num_experts, seed=14, only=only)
-    out = kernels.fused_moe(x, gate_up, down, weights, ids)  # the sorted path, at any n
+    out = kernels.fused_moe(x, gate_up, down, weights, ids, decode_max_tokens=0)  # the sorted path at any n
     torch.testing.assert_close(out, kernels.fused_moe_ref(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-4)
 
 
@@ -1472,94 +1472,69 @@ SHARED_IDS = [[3, 0, 5, 7], [6, 3, 1, 0], [2, 7, 4, 6], [3, 1, 0, 5]]
 
 
 def _moe_decode_case(n: int, top_k: int, d: int, inter: int, num_experts: int = 8):
-    """moe's arguments but renormalize: router logits whose top k are SHARED_IDS' rows, best first, with
-    weights far from each other; the rest of the experts well behind."""
     x = _randn(n, d, seed=15)
     gate_up = _randn(num_experts, 2 * inter, d, seed=16) / d**0.5
     down = _randn(num_experts, d, inter, seed=17) / inter**0.5
-    logits = _randn(n, num_experts, seed=18) * 0.1
-    for t in range(n):
-        for j, e in enumerate(SHARED_IDS[t][:top_k]):
-            logits[t, e] = 2.0 - 0.4 * j
-    return x, logits, gate_up, down, top_k
+    ids = torch.tensor(SHARED_IDS, device=DEVICE)[:n, :top_k]
+    weights = (0.5 + torch.rand(n, top_k, generator=_gen(18))).to(DEVICE)  # far from 0 and from each other
+    return x, gate_up, down, weights, ids
 
 
 # Few wide programs keep the interpreter fast; 4 KB tiles give BLOCK_N 16 and BLOCK_K 32 (gate_up) or 64
 # (down), so D = 64 takes two K steps and D = 40, I = 24 leave ragged tails in both N and K.
 @pytest.mark.parametrize("n,top_k,d,inter", [(1, 2, 64, 32), (2, 4, 64, 32), (3, 3, 40, 24), (4, 2, 64, 32)])
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_kernel_moe_decode(monkeypatch, n, top_k, d, inter, renormalize):
+def test_kernel_fused_moe_decode(monkeypatch, n, top_k, d, inter):
     monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
     monkeypatch.setattr(kernels, "LINEAR_TILE_BYTES", 4096)
     _poison_empty(monkeypatch)
-    args = _moe_decode_case(n, top_k, d, inter) + (renormalize,)
-    out = kernels.moe_decode(*args)
+    args = _moe_decode_case(n, top_k, d, inter)
+    out = kernels.fused_moe_decode(*args)
     assert out.shape == (n, d) and out.dtype == args[0].dtype
-    torch.testing.assert_close(out, kernels.moe_ref(*args), atol=1e-5, rtol=1e-4)
-    x, logits, gate_up, down, _, _ = args  # the routing is moe_route's: same experts, same weights
-    torch.testing.assert_close(out, kernels.fused_moe_ref(x, gate_up, down, *kernels.moe_route(logits, top_k, renormalize)),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, kernels.fused_moe_ref(*args), atol=1e-5, rtol=1e-4)
 
 
-def test_kernel_moe_decode_routes_ties_as_moe_route():
-    # Tied logits: every expert ties with another, so which one a slot gets is the tie rule alone (the lower
-    # id first, as moe_route picks); 5 experts leave padded lanes, which must never be picked.
-    x, _, gate_up, down, _ = _moe_decode_case(2, 3, 32, 16)
-    gate_up, down = gate_up[:5].contiguous(), down[:5].contiguous()
-    logits = torch.tensor([[1.0, 2.0, 1.0, 2.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0]], device=DEVICE)
-    for renormalize in (False, True):
-        weights, ids = kernels.moe_route(logits, 3, renormalize)
-        assert ids.tolist() == [[1, 3, 0], [0, 1, 2]]
-        out = kernels.moe_decode(x, logits, gate_up, down, 3, renormalize)
-        torch.testing.assert_close(out, kernels.fused_moe_ref(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-4)
-
-
-def test_kernel_moe_decode_explicit_blocks():
+def test_kernel_fused_moe_decode_explicit_blocks():
     # Blocks a sweep might pass: several K steps with ragged tails in both kernels, ragged N tiles, 1 row.
-    args = _moe_decode_case(3, 4, 40, 24) + (True,)
-    want = kernels.moe_ref(*args)
+    args = _moe_decode_case(3, 4, 40, 24)
+    want = kernels.fused_moe_ref(*args)
     for gate_up_blocks, down_blocks in [((16, 16, 4), (16, 16, 4)), ((1, 64, 1), (8, 8, 2))]:
-        out = kernels.moe_decode(*args, gate_up_blocks=gate_up_blocks, down_blocks=down_blocks)
+        out = kernels.fused_moe_decode(*args, gate_up_blocks=gate_up_blocks, down_blocks=down_blocks)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
 
 
-def test_kernel_moe_picks_path_by_tokens(monkeypatch):
+def test_kernel_fused_moe_picks_path_by_tokens(monkeypatch):
     monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
     calls = []
-    decode = kernels.moe_decode
-    monkeypatch.setattr(kernels, "moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or decode(*a, **kw))
-    x, logits, gate_up, down, top_k = args = _moe_decode_case(4, 3, 32, 16)
-    sorted_out = kernels.moe(*args, True, decode_max_tokens=3)
+    decode = kernels.fused_moe_decode
+    monkeypatch.setattr(kernels, "fused_moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or decode(*a, **kw))
+    x, gate_up, down, weights, ids = args = _moe_decode_case(4, 3, 32, 16)
+    sorted_out = kernels.fused_moe(*args, decode_max_tokens=3)
     assert calls == []
-    decode_out = kernels.moe(*args, True, decode_max_tokens=4)
+    decode_out = kernels.fused_moe(*args, decode_max_tokens=4)
     assert calls == [4]
     torch.testing.assert_close(decode_out, sorted_out, atol=1e-5, rtol=1e-4)
-    kernels.moe(x[:1], logits[:1], gate_up, down, top_k, True)
+    kernels.fused_moe(x[:1], gate_up, down, weights[:1], ids[:1])
     assert calls == [4, 1], "by default one token takes the decode path"
 
 
-def test_kernel_moe_rejects_bad_input():
-    x, logits, gate_up, down, top_k = _moe_decode_case(2, 2, 32, 16)
+def test_kernel_fused_moe_decode_rejects_bad_input():
+    x, gate_up, down, weights, ids = _moe_decode_case(2, 2, 32, 16)
     cases = [
         ("gate_up", dict(gate_up=gate_up[:, :, :16])),
         ("down", dict(down=down[:, :, :8])),
-        ("router_logits", dict(router_logits=logits[:1])),
-        ("router_logits", dict(router_logits=logits[:, :4])),
-        ("top_k=9", dict(top_k=9)),
+        ("topk_ids", dict(topk_ids=ids[:1])),
+        ("topk_ids", dict(topk_ids=ids.float())),
+        ("topk_weights", dict(topk_weights=weights[:, :1])),
         ("dtype", dict(down=down.double())),
     ]
     for name, bad in cases:
-        kw = dict(x=x, router_logits=logits, gate_up=gate_up, down=down, top_k=top_k, renormalize=True) | bad
+        kw = dict(x=x, gate_up=gate_up, down=down, topk_weights=weights, topk_ids=ids) | bad
         with pytest.raises(ValueError, match=name):
-            kernels.moe_decode(**kw)
-        with pytest.raises(ValueError, match=name):
-            kernels.moe_ref(**kw)
+            kernels.fused_moe_decode(**kw)
     with pytest.raises(ValueError, match="decode_max_tokens=-1"):
-        kernels.moe(x, logits, gate_up, down, top_k, True, decode_max_tokens=-1)
+        kernels.fused_moe(x, gate_up, down, weights, ids, decode_max_tokens=-1)
     with pytest.raises(ValueError, match="gate_up_blocks: BLOCK_N=12"):
-        kernels.moe_decode(x, logits, gate_up, down, top_k, True, gate_up_blocks=(12, 16, 4))
-    with pytest.raises(ValueError, match="topk_ids"):
-        kernels.fused_moe(x, gate_up, down, logits[:, :2], logits[:, :2])
+        kernels.fused_moe_decode(x, gate_up, down, weights, ids, gate_up_blocks=(12, 16, 4))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1881,19 +1856,20 @@ def test_kernel_gpu_fused_moe_bf16(n):
 
 @needs_cuda
 @pytest.mark.parametrize("n", [1, 4])
-def test_kernel_gpu_moe_decode_bf16(n):
+def test_kernel_gpu_fused_moe_decode_bf16(n):
     num_experts, d, inter, top_k = 128, 2048, 768, 8
     x = _randn(n, d, seed=45, device=CUDA_DEVICE, dtype=BF16)
     gate_up = (_randn(num_experts, 2 * inter, d, seed=46, device=CUDA_DEVICE) / d**0.5).to(BF16)
     down = (_randn(num_experts, d, inter, seed=47, device=CUDA_DEVICE) / inter**0.5).to(BF16)
-    logits = _randn(n, num_experts, seed=48, device=CUDA_DEVICE, dtype=BF16)
-    logits[:, 5] = 4.0  # every token shares expert 5
-    # bf16 logits tie often: route with moe_route, whose tie rule the decode kernels share
-    want = kernels.fused_moe_ref(x, gate_up, down, *kernels.moe_route(logits, top_k, True))
-    for prefetch in (True, False):
-        out = kernels.moe_decode(x, logits, gate_up, down, top_k, True, prefetch=prefetch)
-        torch.testing.assert_close(out, want, **BF16_GEMM_TOL)
-    torch.testing.assert_close(kernels.moe(x, logits, gate_up, down, top_k, True), want, **BF16_GEMM_TOL)
+    weights, ids = _routing(n, top_k, num_experts, seed=48, device=CUDA_DEVICE)
+    ids = torch.where(ids == 5, ids[:, :1], ids)  # every token shares expert 5, each still distinct
+    ids[:, 0] = 5
+    weights = weights.to(BF16)  # as moe_route returns them
+    args = (x, gate_up, down, weights, ids)
+    out = kernels.fused_moe_decode(*args)
+    torch.testing.assert_close(out, kernels.fused_moe_ref(*args), **BF16_GEMM_TOL)
+    torch.testing.assert_close(out, kernels.fused_moe(*args, decode_max_tokens=0), **BF16_GEMM_TOL)
+    assert torch.equal(out, kernels.fused_moe_decode(*args)), "no atomics: the same bits on every run"
 
 
 @needs_cuda
@@ -2163,42 +2139,6 @@ def test_kernel_decode_attention_loads_what_the_host_staged_before_it_waits(shif
     ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift)
     before = [line.split()[0] for line in ptx[:ptx.index("griddepcontrol.wait")].splitlines() if "ld.global" in line]
     assert sorted(before) == ["ld.global.b32"] * 3 + ["ld.global.b64"] * 2, before  # int32 length, int64 slot and position
-
-
-PTX_OF_MOE_DECODE = """
-import sys, triton, kernels
-from triton.backends.compiler import GPUTarget
-which, prefetch = sys.argv[1], int(sys.argv[2])
-sig = dict(w_ptr="*bf16", logits_ptr="*bf16", act_ptr="*fp32", inter="i32", hidden="i32", stride_we="i32",
-           stride_wn="i32")
-consts = dict(NUM_EXPERTS=128, EXPERTS_PAD=128, TOP_K=8, RENORM=True, PDL=True)
-if which == "down":  # Qwen3-30B-A3B's down at one token
-    fn, (bn, bk, warps) = kernels._moe_decode_down_kernel, kernels.moe_decode_blocks("down", 1, 2048, 768, 2, 8)
-    sig.update(out_ptr="*bf16")
-    consts.update(K_PAD=8, PREFETCH=prefetch)
-else:
-    fn, (bn, bk, warps) = kernels._moe_decode_gate_up_kernel, kernels.moe_decode_blocks("gate_up", 8, 768, 2048, 2, 8)
-    sig.update(x_ptr="*bf16", stride_xm="i32")
-consts.update(BLOCK_N=bn, BLOCK_K=bk)
-attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in sig}  # as the JIT specialises
-src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature={**sig, **{c: "constexpr" for c in consts}},
-                                attrs=attrs)
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"])
-"""
-
-
-@pytest.mark.parametrize("prefetch", [0, 1024])
-def test_kernel_moe_decode_down_routes_before_it_waits(prefetch):
-    """The MoE down kernel reads the router's logits, which are two kernels back, before
-    griddepcontrol.wait: it routes there, and asks L2 for its experts' rows, while gate_up still runs; the
-    activations and the weights (16-byte loads) come after the wait. gate_up, whose logits come from the
-    kernel just before it, loads nothing before its wait."""
-    ptx = _ptx_for_h200(PTX_OF_MOE_DECODE, "down", prefetch)
-    wait = ptx.index("griddepcontrol.wait")
-    assert "ld.global" in ptx[:wait] and "ld.global.v4" not in ptx[:wait] and "ld.global.v4" in ptx[wait:]
-    assert ("prefetch.global.L2" in ptx[:wait]) == bool(prefetch) and "prefetch.global" not in ptx[wait:]
-    ptx = _ptx_for_h200(PTX_OF_MOE_DECODE, "gate_up", 0)
-    assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait")]
 
 
 def test_kernel_every_kernel_waits_for_its_inputs():
