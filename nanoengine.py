@@ -810,6 +810,7 @@ class ModelRunner:
             kept = None if out.requests is self.prev_sampling else self._kept(out)
             if out.requests is self.prev_sampling or kept is not None:
                 return self._prepare_steady(out, kept)
+            return self._prepare_formed(out)
         reqs = out.requests
         rows, starts = self._rows_of(out), out.starts
         if out.is_decode:  # one token per request, each at position start: all vectorised
@@ -903,6 +904,26 @@ class ModelRunner:
                       logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
         d.sampling.counters = counters
         return batch, d.sampling, out.requests
+
+    def _prepare_formed(self, out) -> tuple[Batch, SamplingBatch, tuple]:
+        """The first step of a steady decode (the general path formed it): its rows are built now, so
+        that the next step only advances them (a batch built here and rows built again on the next step
+        cost ~0.4 ms more at 256 requests). Its inputs are the requests' last tokens, or where one is still
+        in flight (async), the token that request's row of last step's output holds."""
+        d = self.decode = self._decode_rows(out)
+        reqs = out.requests
+        ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
+        fills = np.flatnonzero(ids == PLACEHOLDER)
+        src = np.array([self.prev_rows[reqs[i]] for i in fills.tolist()], dtype=np.int64)
+        (input_ids, fills, src, positions, slots, counters), (block_table,) = self.staging.to_device(
+            [ids, fills, src, *d.rows64], [d.block_table])
+        if len(fills):
+            input_ids[fills] = self.prev_tokens[src]
+        batch = Batch(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                      query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
+                      logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
+        d.sampling.counters = counters
+        return batch, d.sampling, reqs
 
     def _condense(self, d: DecodeRows, out, kept: np.ndarray):
         """Some requests left since last step: the rows of those that stay (kept), in order, then one

@@ -252,6 +252,14 @@ class SchedulerOutput:
         return len(self.requests) if self.is_decode else sum(self.samples)
 
 
+def others(n: int, index: np.ndarray) -> np.ndarray:
+    """The indices in range(n) that are not in `index`, in order. A mask, not np.setdiff1d: that sorts
+    and dedups, ~0.3 ms on the 2-core CPU right after a forward, against ~0.1 for these three operations."""
+    keep = np.ones(n, dtype=bool)
+    keep[index] = False
+    return np.flatnonzero(keep)
+
+
 def attention_at(count: np.ndarray, last: np.ndarray, block_size: int) -> np.ndarray:
     """For decodes at counts `count` (arrays, one per request): the first count >= count at which each
     needs more than +1 in a step: its next token starts a block (a multiple of block_size: it may need a
@@ -359,7 +367,7 @@ class SteadyDecode:
         """The set less the requests at `leaving` (indices), which get back what is held for them; None if
         no one stays. The rest keep their counts and tokens here, in a new instance (see the class)."""
         self.hand_back(leaving)
-        kept = np.setdiff1d(np.arange(len(self.requests)), leaving)
+        kept = others(len(self.requests), leaving)
         if not len(kept):
             return None
         reqs, computed, last, attend_at = self.requests, self.computed[kept], self.last[kept], self.attend_at[kept]
@@ -617,7 +625,7 @@ class Scheduler:
             if kept is not None:  # some left the set since the launch: theirs go into their lists
                 s, row, countdown = steady
                 self.steady.land(row, tokens[kept])
-                gone = np.setdiff1d(np.arange(len(reqs)), kept).tolist()
+                gone = others(len(reqs), kept).tolist()
                 ended = self._fill_lists([reqs[i] for i in gone], index[gone].tolist(), tokens[gone].tolist())
                 return self._steady_ended(self.steady, index[kept], countdown, tokens[kept], ended)
         if steady is not None:
@@ -660,16 +668,20 @@ class Scheduler:
     def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray,
                       ended: list = ()) -> list[Request]:
         """Finish the requests of s (the standing set) that a step's tokens end (at index, with countdown
-        steps to the first last token), and `ended`, which are not in s; s is looked at one by one only
-        when some token is a stop id of some request, or someone reached its last token. Those it
-        finishes leave it (without), and the rest go on as the standing set."""
-        if countdown > 0 and not s.may_stop(tokens):
+        steps to the first last token), and `ended`, which are not in s; s's requests are looked at one by
+        one only when some token is a stop id of some request. Those it finishes leave it (without), and
+        the rest go on as the standing set."""
+        may_stop = s.may_stop(tokens)
+        if countdown > 0 and not may_stop:
             return self._finished(ended, keep_steady=True)  # no one's last token, no one's stop id
-        stopped = [k for k, (req, i, token) in enumerate(zip(s.requests, index.tolist(), tokens.tolist()))
-                   if token in req.stop_ids or i + 1 >= req.max_len]
-        if stopped:
-            ended = [*ended, *((s.requests[k], int(index[k]), int(tokens[k])) for k in stopped)]
-            self.steady = s.without(np.array(stopped, dtype=np.int64))
+        stopped = index >= s.last  # its last allowed token: one comparison, not a visit to each request
+        if may_stop:
+            stopped |= [token in req.stop_ids for req, token in zip(s.requests, tokens.tolist())]
+        stopped = np.flatnonzero(stopped)
+        if len(stopped):
+            reqs = [s.requests[k] for k in stopped.tolist()]
+            ended = [*ended, *zip(reqs, index[stopped].tolist(), tokens[stopped].tolist())]
+            self.steady = s.without(stopped)
         return self._finished(ended, keep_steady=True)
 
     def _finished(self, ended: list[tuple[Request, int, int]], keep_steady: bool = False) -> list[Request]:

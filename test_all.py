@@ -1102,6 +1102,24 @@ def test_seq_lens_are_int64_on_both_paths_and_the_counters_on_the_fast_path():
     check_clean(engine)
 
 
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_steady_decode_builds_its_rows_once(use_async):
+    """The step that forms a steady decode builds its DecodeRows (_prepare_formed), with its inputs from
+    the requests' last tokens, or in flight (async); every later step of the set only advances those rows,
+    across block boundaries too. The tokens are those of a run on the general path alone."""
+    engines = [Engine(model="tiny") for _ in range(2)]
+    engines[1].scheduler._steady_step = lambda: None  # the general path only
+    runner, built = engines[0].runner, []
+    decode_rows = runner._decode_rows  # is its plan one step on from the last (its set formed before)?
+    runner._decode_rows = lambda out: built.append(out.requests is runner.prev_sampling) or decode_rows(out)
+    prompts = [[1, 2, 3 + i] for i in range(4)]  # one prefill step, then one set decodes 40 tokens
+    outs = [run(engine, prompts, greedy(40), use_async=use_async) for engine in engines]
+    assert built == [False], f"the rows were built {len(built)} times, or not on the step that formed the set"
+    assert outs[0] == outs[1]
+    for engine in engines:
+        check_clean(engine)
+
+
 # ==========================================================================================================
 # The command line
 # ==========================================================================================================
