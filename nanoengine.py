@@ -880,30 +880,25 @@ class ModelRunner:
     def _prepare_steady(self, out, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
         """A decode of the same requests as last step, or of those of them still running (last step's
         indices `kept`): their inputs are last step's sampled tokens, on the device already, and the
-        rest is last step's batch one token on (DecodeRows)."""
+        rest is last step's batch one token on (DecodeRows, built when the set formed: _prepare_formed)."""
         d = self.decode
         last_set = out.steady if kept is None else self.prev_steady
-        fresh = d is None or d.steady is not last_set or d.step != out.step - 1
-        if fresh:
-            d = self.decode = self._decode_rows(out)
-        elif kept is not None:
-            self._condense(d, out, kept)
-        else:
+        assert d is not None and d.steady is last_set and d.step == out.step - 1, \
+            f"step {out.step}: the decode rows do not follow last step's set (built at step {d and d.step})"
+        if kept is None:
             self._advance(d, out)
+        else:
+            self._condense(d, out, kept)
         (positions, slots, counters, *kept_t), (block_table,) = self.staging.to_device(
             list(d.rows64) + ([] if kept is None else [kept]), [d.block_table])
         input_ids = self.prev_tokens if kept is None else self.prev_tokens[kept_t[0]]
-        if kept is not None and not fresh:  # the sampling settings of the rows that stay, gathered likewise
+        if kept is not None:  # the sampling settings of the rows that stay, gathered likewise
             sp, rows = d.sampling, d.rows
             d.sampling = SamplingBatch(temperature=sp.temperature[kept_t[0]], top_k=sp.top_k[kept_t[0]],
                                        top_p=sp.top_p[kept_t[0]], seeds=sp.seeds[kept_t[0]], counters=None,
                                        all_greedy=not self.temperature[rows].any(),
                                        need_filter=bool(self.filtered[rows].any()))
-        batch = Batch(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
-                      logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
-        d.sampling.counters = counters
-        return batch, d.sampling, out.requests
+        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, out.requests
 
     def _prepare_formed(self, out) -> tuple[Batch, SamplingBatch, tuple]:
         """The first step of a steady decode (the general path formed it): its rows are built now, so
@@ -919,11 +914,16 @@ class ModelRunner:
             [ids, fills, src, *d.rows64], [d.block_table])
         if len(fills):
             input_ids[fills] = self.prev_tokens[src]
-        batch = Batch(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                      query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
-                      logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
+        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, reqs
+
+    @staticmethod
+    def _rows_batch(d: DecodeRows, input_ids, positions, slots, counters, block_table) -> Batch:
+        """The Batch of a steady decode's rows, from their staged tensors; the counters (the sampled
+        token's index, = the sequence length) are the sampler's too."""
         d.sampling.counters = counters
-        return batch, d.sampling, reqs
+        return Batch(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                     query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
+                     logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
 
     def _condense(self, d: DecodeRows, out, kept: np.ndarray):
         """Some requests left since last step: the rows of those that stay (kept), in order, then one
