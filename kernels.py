@@ -43,6 +43,7 @@ MOE_DECODE_MAX_TOKENS = 4
 # moe_router: router rows per program. 4 rows of Qwen3-30B-A3B's 2048 make 32 programs of 16 KB at one
 # token, the shape linear() gives that matmul at one row.
 MOE_ROUTER_BLOCK_E = 4
+MOE_ROUTER_WARPS = 1
 # ... whose gate_up kernel takes (BLOCK_N, BLOCK_K, num_warps) = these on 16-bit weights: narrower, shorter
 # tiles than linear()'s (two 2 KB tiles a step, 768 programs at 1 token) measured fastest in an H200
 # sweep at Qwen3-30B-A3B shapes: 24.3 against 27.1 us for the layer at 1 token, 77.6 against 86.7 at 4.
@@ -742,7 +743,7 @@ def moe_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tenso
     _moe_router_kernel[(t, triton.cdiv(e, block_e))](
         x, residual, new_residual, norm_weight, h, router, logits, weights, ids, _tickets(x.device), d, x.stride(0),
         eps, NUM_EXPERTS=e, EXPERTS_PAD=_next_pow2(e), TOP_K=top_k, K_PAD=_next_pow2(top_k), RENORM=renormalize,
-        BLOCK_E=block_e, BLOCK_D=block_d, **_pdl(x.device), num_warps=_elementwise_warps(block_e * block_d),
+        BLOCK_E=block_e, BLOCK_D=block_d, **_pdl(x.device), num_warps=MOE_ROUTER_WARPS,
     )
     return h, new_residual, weights, ids
 
