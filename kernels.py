@@ -40,10 +40,6 @@ MOE_ALIGN_KERNEL_MAX_ASSIGNMENTS = 32768
 # expert each re-read its weights and the sorted path should win. A guess: tune it on the H200 with the
 # fused_moe_decode rows of `run.py kernels --only moe`.
 MOE_DECODE_MAX_TOKENS = 4
-# moe_router: router rows per program. 4 rows of Qwen3-30B-A3B's 2048 make 32 programs of 16 KB at one
-# token, the shape linear() gives that matmul at one row.
-MOE_ROUTER_BLOCK_E = 4
-MOE_ROUTER_WARPS = 1
 # ... whose gate_up kernel takes (BLOCK_N, BLOCK_K, num_warps) = these on 16-bit weights: narrower, shorter
 # tiles than linear()'s (two 2 KB tiles a step, 768 programs at 1 token) measured fastest in an H200
 # sweep at Qwen3-30B-A3B shapes: 24.3 against 27.1 us for the layer at 1 token, 77.6 against 86.7 at 4.
@@ -587,16 +583,9 @@ def _moe_route_kernel(
     # One program per token. torch needs five launches for this (float cast, softmax, topk, sum, divide),
     # each a few microseconds at decode, in every MoE layer; here k rounds of max over E values.
     t = tl.program_id(0).to(tl.int64)
-    _route_token(logits_ptr + t * NUM_EXPERTS, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, NUM_EXPERTS,
-                 EXPERTS_PAD, TOP_K, K_PAD, RENORM)
-
-
-@triton.jit
-def _route_token(logits_row_ptr, weights_row_ptr, ids_row_ptr, NUM_EXPERTS: tl.constexpr,
-                 EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
-    """One token's routing: its E logits in, its k weights and expert ids out (moe_route, moe_router)."""
     experts = tl.arange(0, EXPERTS_PAD)
-    x = tl.load(logits_row_ptr + experts, mask=experts < NUM_EXPERTS, other=-float("inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS,
+                other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)  # [EXPERTS_PAD] softmax; padding lanes are 0
     ks = tl.arange(0, K_PAD)
@@ -611,8 +600,8 @@ def _route_token(logits_row_ptr, weights_row_ptr, ids_row_ptr, NUM_EXPERTS: tl.c
     if RENORM:
         top_w = top_w / tl.sum(top_w, axis=0)
     mask = ks < TOP_K
-    tl.store(weights_row_ptr + ks, top_w.to(weights_row_ptr.dtype.element_ty), mask=mask)
-    tl.store(ids_row_ptr + ks, top_ids, mask=mask)
+    tl.store(weights_ptr + t * TOP_K + ks, top_w.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + t * TOP_K + ks, top_ids, mask=mask)
 
 
 def _check_moe_route_args(logits, top_k) -> None:
@@ -643,118 +632,6 @@ def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(logits.dtype), ids
-
-
-# ---------------------------------------------------------------------------------------------------
-# A MoE layer's way in, for a few tokens: residual add + RMSNorm, the router's matmul and the routing, in one launch
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _moe_router_kernel(
-    x_ptr,  # [T, D] the attention block's output, row stride stride_xm
-    residual_ptr,  # [T, D] contiguous
-    residual_out_ptr,  # [T, D] out: x + residual
-    norm_weight_ptr,  # [D]
-    h_ptr,  # [T, D] out: rmsnorm(x + residual) * norm_weight, the experts' input
-    router_ptr,  # [E, D] the router's weight, contiguous
-    logits_ptr,  # [T, E] out: router logits, in x's dtype
-    weights_ptr,  # [T, TOP_K] out: routing weights, in x's dtype
-    ids_ptr,  # [T, TOP_K] out: expert ids (int64), best first
-    tickets_ptr,  # int32 zeros: one per token, counts its programs done
-    dim,  # D
-    stride_xm,
-    eps,
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    RENORM: tl.constexpr,
-    BLOCK_E: tl.constexpr,  # router rows (experts) per program
-    BLOCK_D: tl.constexpr,  # the whole row: D padded to a power of two
-    PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
-):
-    # Three kernels at one token did this before (add_rmsnorm, the router's one-row matmul, moe_route),
-    # each a launch and a drain for a few KB of work. Here a grid of (token, BLOCK_E experts) programs:
-    # each makes the token's normed row itself (D elements, from L2: cheaper than a kernel boundary),
-    # its BLOCK_E logits, and the last of the token's programs to finish (an atomic ticket, as split
-    # attention merges) reads all E logits back and routes.
-    t = tl.program_id(0).to(tl.int64)
-    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    expert_ok = experts < NUM_EXPERTS
-    ds = tl.arange(0, BLOCK_D)
-    d_ok = ds < dim
-    w_offs = experts.to(tl.int64)[:, None] * dim  # [BLOCK_E, 1]
-    if PDL:  # no kernel writes the router's weight: on its way into L2 while the o matmul still runs
-        _prefetch_l2(router_ptr, w_offs, expert_ok, dim, BLOCK_D)
-    _wait_for_inputs(PDL)
-    x = tl.load(x_ptr + t * stride_xm + ds, mask=d_ok, other=0.0)
-    r = tl.load(residual_ptr + t * dim + ds, mask=d_ok, other=0.0)
-    # As add_rmsnorm makes it: the sum rounded to the residual's dtype, then normalised.
-    s = (x.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
-    s32 = s.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(s32 * s32, axis=0) / dim + eps)
-    h = (s32 * inv_rms * tl.load(norm_weight_ptr + ds, mask=d_ok, other=0.0).to(tl.float32))
-    h = h.to(h_ptr.dtype.element_ty)
-    if tl.program_id(1) == 0:  # one program of the token stores what the rest of the layer reads
-        tl.store(residual_out_ptr + t * dim + ds, s, mask=d_ok)
-        tl.store(h_ptr + t * dim + ds, h, mask=d_ok)
-    w = tl.load(router_ptr + w_offs + ds[None, :], mask=expert_ok[:, None] & d_ok[None, :], other=0.0)
-    logits = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)  # [BLOCK_E]
-    # Rounded to x's dtype, as the router's matmul returns them to moe_route.
-    tl.store(logits_ptr + t * NUM_EXPERTS + experts, logits.to(logits_ptr.dtype.element_ty), mask=expert_ok)
-    if _last_to_finish(tickets_ptr + t, tl.num_programs(1)):
-        _route_token(logits_ptr + t * NUM_EXPERTS, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, NUM_EXPERTS,
-                     EXPERTS_PAD, TOP_K, K_PAD, RENORM)
-
-
-def moe_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-               router: torch.Tensor, top_k: int, renormalize: bool, max_tokens: int = MOE_DECODE_MAX_TOKENS,
-               linear=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A MoE layer's pre-norm and routing: (h, x + residual, weights, ids) where h = rmsnorm(x + residual) *
-    norm_weight is the experts' input and (weights, ids) = moe_route(h @ router.T, top_k, renormalize).
-    x, residual [T, D]; router [E, D]. Up to max_tokens tokens in one launch (_moe_router_kernel);
-    more as add_rmsnorm, `linear` (F.linear unless given) and moe_route. Read the returned residual, as
-    with add_rmsnorm_linear: add_rmsnorm overwrites the input one with the sum, the kernel writes a new
-    tensor (all its programs read the residual while one of them stores the sum)."""
-    _check_last_dim_contiguous("x", x)
-    if x.dim() != 2 or residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != x.dtype:
-        raise ValueError(f"x must be [T, D] and residual contiguous with its shape and dtype, got x "
-                         f"{tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype}")
-    t, d = x.shape
-    e = router.shape[0]
-    if norm_weight.shape != (d,) or router.dim() != 2 or router.shape[1] != d or not router.is_contiguous():
-        raise ValueError(f"norm_weight must be ({d},) and router a contiguous [E, {d}] matrix, got "
-                         f"{tuple(norm_weight.shape)} and {tuple(router.shape)}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k={top_k} must be in [1, E={e}]")
-    if t > max_tokens:
-        h, residual = add_rmsnorm(x, residual, norm_weight, eps)
-        logits = (linear or torch.nn.functional.linear)(h, router)
-        return (h, residual, *moe_route(logits, top_k, renormalize))
-    h, new_residual = torch.empty_like(x), torch.empty_like(residual)
-    logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
-    weights = torch.empty((t, top_k), dtype=x.dtype, device=x.device)
-    ids = torch.empty((t, top_k), dtype=torch.int64, device=x.device)
-    if t == 0:
-        return h, new_residual, weights, ids
-    block_d = _next_pow2(d)
-    block_e = max(1, min(MOE_ROUTER_BLOCK_E, _next_pow2(e)))
-    _moe_router_kernel[(t, triton.cdiv(e, block_e))](
-        x, residual, new_residual, norm_weight, h, router, logits, weights, ids, _tickets(x.device), d, x.stride(0),
-        eps, NUM_EXPERTS=e, EXPERTS_PAD=_next_pow2(e), TOP_K=top_k, K_PAD=_next_pow2(top_k), RENORM=renormalize,
-        BLOCK_E=block_e, BLOCK_D=block_d, **_pdl(x.device), num_warps=MOE_ROUTER_WARPS,
-    )
-    return h, new_residual, weights, ids
-
-
-def moe_router_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   router: torch.Tensor, top_k: int, renormalize: bool, max_tokens: int = 0,
-                   linear=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The steps moe_router fuses, by their references (the sum is written into `residual`)."""
-    h, residual = add_rmsnorm_ref(x, residual, norm_weight, eps)
-    logits = (linear or torch.nn.functional.linear)(h, router)
-    return (h, residual, *moe_route_ref(logits, top_k, renormalize))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -212,7 +212,7 @@ class EngineConfig:
 # ----------------------------------------------------------------------------------------------------------
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
-OPS = ("rmsnorm", "add_rmsnorm", "moe_route", "moe_router", "fused_moe", "rope_write_kv", "paged_attention",
+OPS = ("rmsnorm", "add_rmsnorm", "moe_route", "fused_moe", "rope_write_kv", "paged_attention",
        "decode_attention", "race_sample")
 
 
@@ -350,10 +350,11 @@ class MoE(nn.Module):
         del self.experts
 
     def forward(self, x, ops):
-        """Unfused. Fused, DecoderLayer runs moe_router (with the norm before it) and fused_moe."""
         # softmax in float32 as HF does, top k, renormalised if the config says so: (T, k) each
         weights, ids = ops.moe_route(linear(ops, self.gate, x), self.top_k, self.norm_topk_prob)
-        # One small matmul chain per expert that got tokens (and a host sync per expert to know).
+        if hasattr(self, "w_gate_up"):
+            return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        # Unfused: one small matmul chain per expert that got tokens (and a host sync per expert to know).
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(ids == e)
@@ -387,13 +388,8 @@ class DecoderLayer(nn.Module):
             h, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
                                                  mlp.gate_up_proj.weight, gated=True)
             return ops.linear(h, mlp.down_proj.weight, mlp.down_proj.bias), residual
-        if hasattr(mlp, "w_gate_up"):  # fused MoE: add+norm, router and routing in one launch (a few tokens)
-            h, residual, weights, ids = ops.moe_router(x, residual, self.post_attention_layernorm.weight, eps,
-                                                       mlp.gate.weight, mlp.top_k, mlp.norm_topk_prob,
-                                                       linear=ops.linear)
-            return ops.fused_moe(h, mlp.w_gate_up, mlp.w_down, weights, ids), residual
         x, residual = add_norm(x, residual, self.post_attention_layernorm.weight, eps, ops)
-        return mlp(x, ops), residual
+        return mlp(x, ops), residual  # a MoE block reads the normed x twice (router, experts): no fusing
 
 
 def add_norm(x, residual, weight, eps, ops):

@@ -431,21 +431,6 @@ def _bench_moe(out_lines, n: int, weights) -> None:
     logits = scores.to(BF16)
     _report(out_lines, "moe_route", dict(tokens=n), lambda: kernels.moe_route(logits, top_k, True),
             lambda: kernels.moe_route_ref(logits, top_k, True), n * e * BYTES + n * top_k * (8 + BYTES))
-    if n <= kernels.MOE_DECODE_MAX_TOKENS:
-        # moe_router (one launch) against the three kernels it replaces at decode: add_rmsnorm, the
-        # router's one-row Triton matmul (linear's, at up to 4 rows), moe_route. Floor: the router's weight,
-        # and x and the residual read, the sum and the normed row written.
-        d = QWEN3_30B_A3B_MOE["hidden"]
-        x, res = torch.randn(n, d, device="cuda", dtype=BF16), torch.randn(n, d, device="cuda", dtype=BF16)
-        g, router = torch.ones(d, device="cuda", dtype=BF16), torch.randn(e, d, device="cuda", dtype=BF16) * d**-0.5
-
-        def three_kernels():
-            h, _ = kernels.add_rmsnorm(x, res, g, 1e-6)  # the sum goes into res: a timing needs no copy
-            return kernels.moe_route(kernels.linear(h, router, max_rows=4), top_k, True)
-
-        _report(out_lines, "moe_router", dict(tokens=n),
-                lambda: kernels.moe_router(x, res, g, 1e-6, router, top_k, True), three_kernels,
-                e * d * BYTES + 4 * n * d * BYTES, ref="add_rmsnorm + linear + moe_route")
 
 
 def _bench_moe_paths(out_lines, n: int, weights) -> None:

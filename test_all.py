@@ -1436,29 +1436,6 @@ def _moe_canonical(sorted_ids, block_expert, block_m):
     return (expert_of_slot * (2**32) + sorted_ids.long()).sort().values
 
 
-@pytest.mark.parametrize("t,num_experts,top_k,max_tokens", [(1, 16, 4, 4), (3, 6, 3, 4), (3, 16, 4, 2)])
-def test_kernel_moe_router(t, num_experts, top_k, max_tokens):
-    """add_rmsnorm, the router's matmul and moe_route in one launch (6 experts: padded lanes; 3 tokens over
-    max_tokens 2: the three kernels instead), against their references; twice, so a ticket left unreset
-    by the first call would route nothing on the second."""
-    d = 48  # not a power of two: masked lanes in the row
-    x, residual = _randn(t, d, seed=70), _randn(t, d, seed=71)
-    g, router = 1 + 0.1 * _randn(d, seed=72), _randn(num_experts, d, seed=73)
-    ref = kernels.moe_router_ref(x, residual.clone(), g, 1e-6, router, top_k, True)
-    for _ in range(2):
-        kept = residual.clone()
-        h, new_residual, weights, ids = kernels.moe_router(x, kept, g, 1e-6, router, top_k, True, max_tokens)
-        torch.testing.assert_close(h, ref[0], **F32_TOL)
-        torch.testing.assert_close(new_residual, ref[1], **F32_TOL)
-        torch.testing.assert_close(weights, ref[2], **F32_TOL)
-        assert torch.equal(ids, ref[3])
-        assert torch.equal(kept, residual) or t > max_tokens, "the kernel writes the sum to a new tensor"
-    with pytest.raises(ValueError, match=f"top_k={num_experts + 1}"):
-        kernels.moe_router(x, residual, g, 1e-6, router, num_experts + 1, True)
-    with pytest.raises(ValueError, match="residual"):
-        kernels.moe_router(x, residual[:, :8].contiguous(), g, 1e-6, router, top_k, True)
-
-
 @pytest.mark.parametrize("t,num_experts,top_k", [(1, 8, 2), (5, 6, 3), (7, 128, 8)])  # 6, 3: padded lanes
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_kernel_moe_route(t, num_experts, top_k, renormalize):
@@ -1882,25 +1859,6 @@ def test_kernel_gpu_moe_route_bf16():
 
 
 @needs_cuda
-@pytest.mark.parametrize("t", [1, 4, 5])  # 5: past MOE_DECODE_MAX_TOKENS, the three kernels
-def test_kernel_gpu_moe_router_bf16(t):
-    """Qwen3-30B-A3B's router at decode sizes against the three kernels it replaces: the same residual sum,
-    the normed row within bf16 rounding, and experts as good as the best k of the reference's scores."""
-    d, e = 2048, 128
-    x, residual = _randn(t, d, seed=74, device=CUDA_DEVICE, dtype=BF16), _randn(t, d, seed=75, device=CUDA_DEVICE, dtype=BF16)
-    g = (1 + 0.1 * _randn(d, seed=76, device=CUDA_DEVICE)).to(BF16)
-    router = (_randn(e, d, seed=77, device=CUDA_DEVICE) * d**-0.5).to(BF16)
-    h, new_residual, weights, ids = kernels.moe_router(x, residual.clone(), g, 1e-6, router, 8, True)
-    ref_h, ref_residual, ref_w, _ = kernels.moe_router_ref(x, residual.clone(), g, 1e-6, router, 8, True)
-    assert torch.equal(new_residual, ref_residual)
-    torch.testing.assert_close(h, ref_h, **BF16_GEMM_TOL)
-    probs = torch.softmax(torch.nn.functional.linear(ref_h.float(), router.float()), dim=-1)
-    torch.testing.assert_close(probs.gather(1, ids), probs.topk(8).values, atol=2e-3, rtol=2e-2)
-    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "8 distinct experts per token"
-    torch.testing.assert_close(weights, ref_w, atol=1e-2, rtol=1e-2)
-
-
-@needs_cuda
 @pytest.mark.parametrize("n", [1, 64, 300, 2100, 4200])  # 4200 x 8 assignments: the torch moe_align path
 def test_kernel_gpu_fused_moe_bf16(n):
     num_experts, d, inter, top_k = 128, 2048, 768, 8
@@ -2199,32 +2157,6 @@ def test_kernel_decode_attention_loads_what_the_host_staged_before_it_waits(shif
     ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift)
     before = [line.split()[0] for line in ptx[:ptx.index("griddepcontrol.wait")].splitlines() if "ld.global" in line]
     assert sorted(before) == ["ld.global.b32"] * 3 + ["ld.global.b64"] * 2, before  # int32 length, int64 slot and position
-
-
-PTX_OF_MOE_ROUTER = """
-import triton, kernels
-from triton.backends.compiler import GPUTarget
-fn = kernels._moe_router_kernel
-sig = dict(x_ptr="*bf16", residual_ptr="*bf16", residual_out_ptr="*bf16", norm_weight_ptr="*bf16", h_ptr="*bf16",
-           router_ptr="*bf16", logits_ptr="*bf16", weights_ptr="*bf16", ids_ptr="*i64", tickets_ptr="*i32",
-           dim="i32", stride_xm="i32", eps="fp32")
-consts = dict(NUM_EXPERTS=128, EXPERTS_PAD=128, TOP_K=8, K_PAD=8, RENORM=True, BLOCK_E=4, BLOCK_D=2048, PDL=True)
-attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in sig and a != "eps"}
-src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature={**sig, **{c: "constexpr" for c in consts}},
-                                attrs=attrs)
-print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"])
-"""
-
-
-def test_kernel_moe_router_prefetches_its_weights_before_it_waits():
-    """Under PDL moe_router launches while the o matmul runs: it asks L2 for its router rows (no kernel
-    writes them) before griddepcontrol.wait, and loads nothing, the attention output least of all, before
-    it; the routing after its ticket (an atomic) is compiled in."""
-    ptx = _ptx_for_h200(PTX_OF_MOE_ROUTER)
-    wait = ptx.index("griddepcontrol.wait")
-    assert 0 <= ptx.find("prefetch.global.L2") < wait
-    assert "ld.global" not in ptx[:wait], "nothing is loaded before the wait"
-    assert "atom.global" in ptx[wait:] and "griddepcontrol.launch_dependents" in ptx[wait:]
 
 
 def test_kernel_every_kernel_waits_for_its_inputs():
