@@ -1388,6 +1388,44 @@ def _attend_tiles(
 
 
 @triton.jit
+def _split_tiles(
+    seq_len,
+    q_len,
+    q_tile,
+    split,
+    num_splits,  # splits launched per query tile (a host-side upper bound)
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PACK_SHIFT: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+    ROPE: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """(kv_end, splits_used, tile_lo, tile_hi): keys [0, kv_end) may be visible to some row of this query
+    tile, its keys fill splits_used splits, and this split walks key tiles [tile_lo, tile_hi), empty for a
+    split past splits_used. Lengths and constexprs only, so a program may know it before its PDL wait."""
+    # New tokens sit at the end of the context; padding requests (seq_len 0) get kv_end 0 and read no KV.
+    kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    if ROPE:
+        kv_end -= 1  # the new key is already counted, from registers
+    kv_end = tl.maximum(kv_end, 0)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
+    # The split count is fixed at launch for the longest context the block table allows; this tile uses
+    # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
+    # zeros of a seq_len-0 row).
+    if SPLIT:
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+        splits_used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        splits_used = 1
+        tile_lo = 0
+        tile_hi = num_tiles
+    return kv_end, splits_used, tile_lo, tile_hi
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D] strided view
     k_cache_ptr,  # [num_blocks, page_size, Hkv, D]
@@ -1525,26 +1563,11 @@ def _paged_attention_kernel(
                 acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32) + v.to(tl.float32)
     else:
         q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-    # New tokens sit at the end of the context; padding requests (seq_len 0) get kv_end 0 and read no KV.
-    kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
-    if ROPE:
-        kv_end -= 1  # the new key is already counted, from registers
-    kv_end = tl.maximum(kv_end, 0)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
-    # The split count is fixed at launch for the longest context the block table allows; this tile uses
-    # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
-    # zeros of a seq_len-0 row). The rest exit here, and the merge reads only the used ones.
-    if SPLIT:
-        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
-        splits_used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+    kv_end, splits_used, tile_lo, tile_hi = _split_tiles(seq_len, q_len, q_tile, split, num_splits, BLOCK_Q,
+                                                         BLOCK_N, PACK_SHIFT, MIN_SPLIT_TILES, ROPE, SPLIT)
+    if SPLIT:  # splits this tile's keys leave unused exit here, and the merge reads only the used ones
         if split >= splits_used:
             return
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    else:
-        splits_used = 1  # a constexpr, so only the direct store below is compiled
-        tile_lo = 0
-        tile_hi = num_tiles
     q_pos = seq_len - q_len + q_idx
     m, l, acc = _attend_tiles(
         q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
