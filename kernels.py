@@ -85,16 +85,6 @@ ATTN_MERGE_FAN_IN = 8
 # 128 keys run as one split that writes its output directly. Not more than 128 (2 tiles of 64): at batch
 # 1 an 8K context then still gets 64 splits per kv head, the 4 programs per SM measured best above.
 ATTN_MIN_SPLIT_TOKENS = 128
-# Decode attention under PDL waits while the q/k/v matmul before it runs; a batch of at most this many
-# requests spends that time asking L2 for the first keys of each program's split (see _prefetch_kv). Not
-# more: the same idea behind a cuBLAS q/k/v matmul gained at 1 and 16 requests (0.829 -> 0.821 and
-# 1.114 -> 1.105 ms a Qwen3-0.6B step, H200) but lost at 64 (1.395 -> 1.465), where programs are many and
-# the memory bandwidth, not the latency of a program's first loads, is the limit ...
-ATTN_KV_PREFETCH_MAX_BATCH = 16
-# ... and each program prefetches at most this many columns (keys x packed kv heads, as _attend_tiles
-# counts them): a split's first two 64-key tiles, ATTN_MIN_SPLIT_TOKENS, so its registers stay bounded
-# (one block-table entry and two lines of K and of V a thread at 4 warps, bf16 x 128 dims).
-ATTN_KV_PREFETCH_KEYS = 128
 # Split reductions finish in-kernel: each program of a group that splits one reduction (split-KV
 # attention, the sampler's vocabulary chunks) takes a ticket from an atomic counter after writing its
 # partial, and the one that draws the last ticket combines them and resets the counter. That replaces a
@@ -1398,75 +1388,6 @@ def _attend_tiles(
 
 
 @triton.jit
-def _split_tiles(
-    seq_len,
-    q_len,
-    q_tile,
-    split,
-    num_splits,  # splits launched per query tile (a host-side upper bound)
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PACK_SHIFT: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr,
-    ROPE: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """(kv_end, splits_used, tile_lo, tile_hi): keys [0, kv_end) may be visible to some row of this query
-    tile, its keys fill splits_used splits, and this split walks key tiles [tile_lo, tile_hi), empty for a
-    split past splits_used. Lengths and constexprs only, so a program may know it before its PDL wait."""
-    # New tokens sit at the end of the context; padding requests (seq_len 0) get kv_end 0 and read no KV.
-    kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
-    if ROPE:
-        kv_end -= 1  # the new key is already counted, from registers
-    kv_end = tl.maximum(kv_end, 0)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
-    # The split count is fixed at launch for the longest context the block table allows; this tile uses
-    # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
-    # zeros of a seq_len-0 row).
-    if SPLIT:
-        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
-        splits_used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    else:
-        splits_used = 1
-        tile_lo = 0
-        tile_hi = num_tiles
-    return kv_end, splits_used, tile_lo, tile_hi
-
-
-@triton.jit
-def _prefetch_kv(
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_row_ptr,  # this request's row of the block table
-    kv_head_off,  # (first) kv head * stride_cache_head
-    stride_cache_head,
-    stride_cache_block,
-    stride_cache_tok,
-    kv_end,  # keys [0, kv_end) may be visible (_split_tiles)
-    tile_lo,  # this split's key tiles: [tile_lo, tile_hi)
-    tile_hi,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # columns of a key tile: BLOCK_N >> PACK_SHIFT keys x 2^PACK_SHIFT kv heads
-    PACK_SHIFT: tl.constexpr,
-    COLUMNS: tl.constexpr,  # columns prefetched at most (ATTN_KV_PREFETCH_KEYS)
-):
-    """Ask L2 for the K and V rows of the first COLUMNS columns of key tiles [tile_lo, tile_hi), the ones
-    _attend_tiles loads first, at the same addresses: the block-table entries are loaded, the rows only
-    prefetched (CUDA only, see _prefetch_l2)."""
-    cols = tl.arange(0, COLUMNS)
-    keys = tile_lo * (BLOCK_N >> PACK_SHIFT) + (cols >> PACK_SHIFT)
-    key_ok = (keys < kv_end) & (keys < tile_hi * (BLOCK_N >> PACK_SHIFT))
-    page = tl.load(block_table_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    kv_offs = (page * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_tok + kv_head_off
-               + (cols & ((1 << PACK_SHIFT) - 1)) * stride_cache_head)  # [COLUMNS]
-    _prefetch_l2(k_cache_ptr, kv_offs[:, None], key_ok, HEAD_DIM, HEAD_DIM)
-    _prefetch_l2(v_cache_ptr, kv_offs[:, None], key_ok, HEAD_DIM, HEAD_DIM)
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D] strided view
     k_cache_ptr,  # [num_blocks, page_size, Hkv, D]
@@ -1518,8 +1439,6 @@ def _paged_attention_kernel(
     ROPE: tl.constexpr,  # decode_attention: rotate q and the new k here, and write the new k and v
     HAS_NORM: tl.constexpr,  # ... after Qwen3's per-head RMSNorm
     PDL: tl.constexpr,  # launched as a programmatic dependent launch (see _wait_for_inputs)
-    KV_PREFETCH: tl.constexpr,  # with PDL: ask L2 for the split's first keys before the wait (_prefetch_kv)
-    KV_PREFETCH_KEYS: tl.constexpr,  # ... at most this many columns of them (ATTN_KV_PREFETCH_KEYS)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1) << PACK_SHIFT  # the first of this program's kv heads
@@ -1552,17 +1471,6 @@ def _paged_attention_kernel(
         half = dims % (HEAD_DIM // 2)
         cos = tl.load(cos_sin_ptr + pos * stride_cs + half)
         sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM // 2 + half)
-    block_table_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    if PDL and KV_PREFETCH:
-        # The cached keys [0, seq_len - 1) and the block table are not written by any kernel of this step
-        # before this one (the new key, which this kernel writes, is past kv_end), so the split's first
-        # keys can be on their way into L2 while the q/k/v matmul still runs. The loads after the wait
-        # stay as they are (they should only hit L2), so results do not change.
-        kv_end, _, tile_lo, tile_hi = _split_tiles(seq_len, q_len, q_tile, split, num_splits, BLOCK_Q, BLOCK_N,
-                                                   PACK_SHIFT, MIN_SPLIT_TILES, ROPE, SPLIT)
-        _prefetch_kv(k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head * stride_cache_head,
-                     stride_cache_head, stride_cache_block, stride_cache_tok, kv_end, tile_lo, tile_hi, HEAD_DIM,
-                     PAGE_SIZE, BLOCK_N, PACK_SHIFT, KV_PREFETCH_KEYS)
     _wait_for_inputs(PDL, RELEASE_NEXT=False)  # see there: the next kernel launches as this one exits
     if not DECODE:
         # The grid is sized for the longest query; tiles past this request's tokens have nothing to do.
@@ -1617,14 +1525,29 @@ def _paged_attention_kernel(
                 acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32) + v.to(tl.float32)
     else:
         q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-    kv_end, splits_used, tile_lo, tile_hi = _split_tiles(seq_len, q_len, q_tile, split, num_splits, BLOCK_Q,
-                                                         BLOCK_N, PACK_SHIFT, MIN_SPLIT_TILES, ROPE, SPLIT)
-    if SPLIT:  # splits this tile's keys leave unused exit here, and the merge reads only the used ones
+    # New tokens sit at the end of the context; padding requests (seq_len 0) get kv_end 0 and read no KV.
+    kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    if ROPE:
+        kv_end -= 1  # the new key is already counted, from registers
+    kv_end = tl.maximum(kv_end, 0)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
+    # The split count is fixed at launch for the longest context the block table allows; this tile uses
+    # only as many as its own keys need at MIN_SPLIT_TILES or more each (at least one, which writes the
+    # zeros of a seq_len-0 row). The rest exit here, and the merge reads only the used ones.
+    if SPLIT:
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+        splits_used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
         if split >= splits_used:
             return
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        splits_used = 1  # a constexpr, so only the direct store below is compiled
+        tile_lo = 0
+        tile_hi = num_tiles
     q_pos = seq_len - q_len + q_idx
     m, l, acc = _attend_tiles(
-        q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+        q, q_pos, m, l, acc, k_cache_ptr, v_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
         kv_head * stride_cache_head, row_head, stride_cache_head, stride_cache_block, stride_cache_tok, kv_end,
         tile_lo, tile_hi, qk_scale, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, PACK_SHIFT, DOT_PRECISION,
     )
@@ -1900,9 +1823,6 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         tickets = _tickets(q.device)
     else:
         part_out = part_ml = tickets = out  # unused
-    # Under PDL a small decode batch with RoPE inside asks L2 for its first keys before it waits (see
-    # ATTN_KV_PREFETCH_MAX_BATCH); without RoPE a kernel before this one (rope_write_kv) writes the cache.
-    kv_prefetch = _use_pdl(q.device) and rope is not None and decode and b <= ATTN_KV_PREFETCH_MAX_BATCH
     # decode_attention's new keys and RoPE inputs; without them, stand-ins the kernel never reads
     k, v, slot_mapping, positions, scratch_slot, cos_sin, q_norm, k_norm, eps, has_norm = \
         rope or (q, q, seq_lens, seq_lens, 0, q, q, q, 0.0, False)
@@ -1916,8 +1836,7 @@ def _attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scal
         SPLIT=num_splits > 1,
         MIN_SPLIT_TILES=min_split_tiles, MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
         DOT_PRECISION=_dot_precision(q.dtype), DECODE=decode,
-        ROPE=rope is not None, HAS_NORM=has_norm, **_pdl(q.device), KV_PREFETCH=kv_prefetch,
-        KV_PREFETCH_KEYS=ATTN_KV_PREFETCH_KEYS, num_warps=warps, num_stages=stages,
+        ROPE=rope is not None, HAS_NORM=has_norm, **_pdl(q.device), num_warps=warps, num_stages=stages,
     )
     return out
 

@@ -17,10 +17,8 @@ import ast
 import json
 import math
 import random
-import re
 import subprocess
 import sys
-from collections import Counter
 from functools import partial
 from types import SimpleNamespace
 
@@ -1824,10 +1822,6 @@ def test_kernel_gpu_race_sample():
     (16, 8, [48, 0, 33, 64, 1], None),  # Qwen3-0.6B heads, short contexts: one split each, a padding row
     (32, 4, [8000, 200, 2], None),  # Qwen3-30B-A3B heads, a long context over many splits
     (16, 8, [0, 1] + [33 + 7 * i % 96 for i in range(254)], 128),  # 256 short contexts: 8 kv heads a program
-    # at most ATTN_KV_PREFETCH_MAX_BATCH requests: the split's first keys are prefetched into L2 (under PDL)
-    (16, 8, [3000], None),  # one request over many splits
-    (16, 8, [0, 1, 2] + [129 + 97 * i for i in range(13)], None),  # 16: a padding row, a new key alone
-    (64, 32, [0, 1] + [33 + 7 * i % 96 for i in range(14)], 128),  # 16 short contexts: 2 kv heads a program
 ])
 def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens, max_seq_len):
     d, page, b = 128, 16, len(seq_lens)
@@ -1841,7 +1835,7 @@ def test_kernel_gpu_decode_attention_bf16(h, hkv, seq_lens, max_seq_len):
     norms = (_randn(d, seed=49, device=CUDA_DEVICE, dtype=BF16), _randn(d, seed=50, device=CUDA_DEVICE, dtype=BF16))
     kc, vc = k_cache.clone(), v_cache.clone()
     positions = (sl.long() - 1).clamp(min=0)
-    assert (kernels._decode_pack(b, hkv) > 1) == (max_seq_len is not None)
+    assert (kernels._decode_pack(b, hkv) == 8) == (max_seq_len is not None)
     out = kernels.decode_attention(q.clone(), k, v, kc, vc, slots, positions, sl, bt, cos_sin, d**-0.5, *norms,
                                    max_seq_len=max_seq_len)
     ref = kernels.decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, sl, bt, cos_sin, d**-0.5,
@@ -2128,7 +2122,6 @@ import sys, triton, kernels
 from triton.backends.compiler import GPUTarget
 fn = kernels._paged_attention_kernel
 shift = int(sys.argv[1])  # log2 of the kv heads a program packs
-split, prefetch = (sys.argv[i] == "True" for i in (2, 3))  # SPLIT and KV_PREFETCH
 sig = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", query_start_loc_ptr="*i32", seq_lens_ptr="*i32",
            block_table_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32", part_ml_ptr="*fp32", tickets_ptr="*i32",
            num_tokens="i32", num_splits="i32", k_new_ptr="*bf16", v_new_ptr="*bf16", slot_mapping_ptr="*i64",
@@ -2136,9 +2129,8 @@ sig = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", query_start_
            eps="fp32", qk_scale="fp32")
 sig.update({a: "i32" for a in fn.arg_names if a.startswith("stride_")})
 consts = dict(NUM_HEADS=16, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_Q=1, BLOCK_M=max(16, 2 << shift),
-              BLOCK_N=128 if shift else 64, PACK_SHIFT=shift, SPLIT=split, MIN_SPLIT_TILES=2, MERGE_FAN_IN=8,
-              DOT_PRECISION="tf32", DECODE=True, ROPE=True, HAS_NORM=True, PDL=True, KV_PREFETCH=prefetch,
-              KV_PREFETCH_KEYS=kernels.ATTN_KV_PREFETCH_KEYS)
+              BLOCK_N=128 if shift else 64, PACK_SHIFT=shift, SPLIT=False, MIN_SPLIT_TILES=2, MERGE_FAN_IN=8,
+              DOT_PRECISION="tf32", DECODE=True, ROPE=True, HAS_NORM=True, PDL=True)
 attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig.get(a, "").startswith("*")}
 src = triton.compiler.ASTSource(fn=fn, constexprs=consts, signature={**sig, **{c: "constexpr" for c in consts}},
                                 attrs=attrs)
@@ -2153,36 +2145,18 @@ def test_kernel_decode_attention_releases_the_next_kernel_only_as_it_exits(shift
     griddepcontrol.launch_dependents, so the o matmul after it is launched as its programs exit rather than
     piled onto the first SMs they free (see kernels._wait_for_inputs); the linear releases the next kernel
     at once (test_kernel_linear_prefetches_its_weights_before_it_waits)."""
-    ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift, False, False)
+    ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
 
 
-def _global_ops(ptx: str) -> list[str]:
-    """The opcodes of ptx's global loads and prefetches, in order (a predicated load's guard dropped)."""
-    return [op.group(0) for line in ptx.splitlines() if (op := re.search(r"\b(ld|prefetch)\.global\S*", line))]
-
-
-@pytest.mark.parametrize("shift,split", [(0, False), (3, False), (0, True)])  # split: a small batch's grid
-def test_kernel_decode_attention_loads_what_the_host_staged_before_it_waits(shift, split):
+@pytest.mark.parametrize("shift", [0, 3])
+def test_kernel_decode_attention_loads_what_the_host_staged_before_it_waits(shift):
     """Under PDL decode attention loads its length, slot, position and the cos and sin there (the host
     stages them; no kernel writes them) before griddepcontrol.wait, and everything else, q, k and v
-    above all, after it: exactly those five loads come first. With KV_PREFETCH (a small batch) the block
-    table's entries of the split's first keys (int32) come first too, and the prefetches of their K and V
-    rows into L2, none after; the loads after the wait are the same as without it."""
-    staged = ["ld.global.b32"] * 3 + ["ld.global.b64"] * 2  # int32 length, int64 slot and position
-    halves = {}
-    for prefetch in (False, True):
-        ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift, split, prefetch)
-        wait = ptx.index("griddepcontrol.wait")
-        halves[prefetch] = _global_ops(ptx[:wait]), _global_ops(ptx[wait:])
-    (before, after), (before_pf, after_pf) = halves[False], halves[True]
-    assert sorted(before) == staged, before
-    assert "prefetch.global.L2" not in before + after
-    loads_pf = Counter(op for op in before_pf if op.startswith("ld."))
-    table = loads_pf - Counter(staged)
-    assert loads_pf - table == Counter(staged) and set(table) == {"ld.global.b32"}, before_pf
-    assert "prefetch.global.L2" in before_pf and "prefetch.global.L2" not in after_pf, "prefetches before the wait"
-    assert after_pf == after, "the loads after the wait (q, k, v, the walk) do not change"
+    above all, after it: exactly those five loads come first."""
+    ptx = _ptx_for_h200(PTX_OF_DECODE_ATTENTION, shift)
+    before = [line.split()[0] for line in ptx[:ptx.index("griddepcontrol.wait")].splitlines() if "ld.global" in line]
+    assert sorted(before) == ["ld.global.b32"] * 3 + ["ld.global.b64"] * 2, before  # int32 length, int64 slot and position
 
 
 def test_kernel_every_kernel_waits_for_its_inputs():
