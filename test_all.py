@@ -536,8 +536,10 @@ def test_string_prompts_with_a_tokenizer(tmp_path, ckpt_dirs):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
     tok.save(os.path.join(folder, "tokenizer.json"))
     llm = LLM(model=folder)
-    text_out, ids_out = llm.generate(["hello", [7, 4, 11, 11, 14]], greedy(4))
-    assert text_out.prompt_token_ids == [7, 4, 11, 11, 14] and text_out.token_ids == ids_out.token_ids
+    ids = [7, 4, 11, 11, 14]
+    text_out, ids_out, np_out = llm.generate(["hello", ids, np.array(ids)], greedy(4))  # numpy ids are ints too
+    assert text_out.prompt_token_ids == ids == np_out.prompt_token_ids
+    assert text_out.token_ids == ids_out.token_ids == np_out.token_ids
     assert isinstance(text_out.text, str)
 
 
@@ -570,6 +572,11 @@ def test_top_k_1_equals_greedy_and_filters_apply():
     k1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, seed=3,
                                                                      max_tokens=8, ignore_eos=True))]
     assert k1 == g
+    # vLLM's "no limit" values, -1, 0 and any k past the vocabulary, keep every token: the same draws
+    off = [[o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=1.0, top_k=k, seed=3,
+                                                                      max_tokens=8, ignore_eos=True))]
+           for k in (-1, 0, 4096, 10**30)]
+    assert off[1:] == off[:1] * 3 and off[0] != g
     # the sampler itself: top-k keeps only the k best, top-p only the nucleus, temperature 0 is argmax
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     s = nanoengine.SamplingBatch(temperature=torch.tensor([1.0, 1.0, 0.0]), top_k=torch.tensor([3, 50, 50]),
@@ -654,34 +661,159 @@ def test_seeded_noise_is_uniform():
 
 
 # ==========================================================================================================
-# Bad input: a ValueError naming the argument and value, and the engine keeps serving
+# Bad input: a ValueError (TypeError for a wrong type) naming the argument, its value and what is allowed,
+# and the engine keeps serving
 # ==========================================================================================================
 
+EngineConfig = nanoengine.EngineConfig
 
-def test_bad_requests_leave_the_engine_serving():
-    engine = Engine(model="tiny", num_blocks=4)  # 64 tokens of KV
-    bad = [
-        (([], None), "prompt is empty"),
-        (([1, 99999], None), "99999 is outside the vocabulary"),
-        (([1] * 3000, None), "max_model_len"),
-        (([1] * 30, SamplingParams(max_tokens=100)), "whole cache holds 64"),
-        (("hello", None), "no tokenizer"),
-    ]
-    for (prompt, sp), msg in bad:
-        with pytest.raises(ValueError, match=msg):
-            engine.add_request(prompt, sp)
-    for kw, msg in [(dict(max_tokens=0), "max_tokens=0"), (dict(temperature=-1), "temperature=-1"),
-                    (dict(top_p=0), "top_p=0"), (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=0), "top_k=0"),
-                    (dict(top_k=-2), "top_k=-2")]:
-        with pytest.raises(ValueError, match=msg):
-            SamplingParams(**kw)
-    good = run(engine, [[1, 2, 3]], greedy(4))
-    assert len(good[0].token_ids) == 4
-    llm = LLM("tiny")
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        llm.generate([[1, 2], [5, 10**6]], greedy(2))
-    assert len(llm.generate([[1, 2]], greedy(2))[0].token_ids) == 2  # the good prompt was not left behind
-    check_clean(llm.engine)
+# (what, a call that must raise, the exception, a fragment of its message). A call gets the `serving`
+# fixture: its LLM (whose engine has the good requests in flight) and broken checkpoint folders.
+BAD_INPUT = [
+    # prompts: Engine.add_request and LLM.generate
+    ("empty prompt", lambda s: s.engine.add_request([]), ValueError, "prompt is empty"),
+    ("id past the vocabulary", lambda s: s.engine.add_request([1, 99999]), ValueError,
+     "prompt token id 99999 is outside the vocabulary: ids must be in [0, 4096)"),
+    ("negative id", lambda s: s.engine.add_request([-1]), ValueError, "prompt token id -1 is outside"),
+    ("prompt past max_model_len", lambda s: s.engine.add_request([1] * 3000), ValueError,
+     "prompt has 3000 tokens; max_model_len=2048"),
+    ("more KV than the cache", lambda s: s.engine.add_request([1] * 30, SamplingParams(max_tokens=300)),
+     ValueError, "the whole cache holds 256"),
+    ("text without a tokenizer", lambda s: s.engine.add_request("hello"), ValueError, "no tokenizer"),
+    ("float id", lambda s: s.engine.add_request([1, 2.0]), TypeError,
+     "prompt[1]=2.0 has type float: token ids must be integers"),
+    ("str id", lambda s: s.engine.add_request([1, "2"]), TypeError, "prompt[1]='2' has type str"),
+    ("None id", lambda s: s.engine.add_request([None]), TypeError, "prompt[0]=None has type NoneType"),
+    ("bool id", lambda s: s.engine.add_request([1, True]), TypeError, "prompt[1]=True has type bool"),
+    ("float numpy ids", lambda s: s.engine.add_request(np.array([1.0, 2.0])), TypeError,
+     "prompt[0]=1.0 has type float"),
+    ("prompt an int", lambda s: s.engine.add_request(5), TypeError,
+     "prompt=5 has type int: give a string or a list of token ids"),
+    ("prompt None", lambda s: s.engine.add_request(None), TypeError, "prompt=None has type NoneType"),
+    ("request_id an int", lambda s: s.engine.add_request([1], None, 7), TypeError,
+     "request_id=7 has type int: it must be a string or None"),
+    ("request_id in use", lambda s: s.engine.add_request([1], None, "good0"), ValueError,
+     "request_id='good0' is already in use"),
+    ("params a string", lambda s: s.engine.add_request([1], "greedy"), TypeError,
+     "params='greedy' has type str: give a SamplingParams, or None"),
+    ("stop id past the vocabulary", lambda s: s.engine.add_request([1], SamplingParams(stop_token_ids=[4096])),
+     ValueError, "stop_token_ids has 4096, outside the vocabulary"),
+    ("generate: sampling_params a string", lambda s: s.llm.generate([[1]], "greedy"), TypeError,
+     "sampling_params='greedy' has type str"),
+    ("generate: one of the params a dict", lambda s: s.llm.generate([[1], [2]], [greedy(2), {"temperature": 0}]),
+     TypeError, "sampling_params[1]={'temperature': 0} has type dict"),
+    ("generate: params per prompt", lambda s: s.llm.generate([[1], [2]], [greedy(2)] * 3), ValueError,
+     "sampling_params has 3 entries for 2 prompts"),
+    ("generate: a bad prompt after good ones", lambda s: s.llm.generate([[1, 2], [3], [5, 10**6]], greedy(2)),
+     ValueError, "prompts[2]: prompt token id 1000000 is outside the vocabulary"),
+    ("generate: float ids", lambda s: s.llm.generate([1, 2.5]), TypeError, "prompts[0]: prompt[1]=2.5"),
+    ("generate: prompts None", lambda s: s.llm.generate(None), TypeError, "prompts=None has type NoneType"),
+    ("abort: a list of ids", lambda s: s.engine.abort(["good0"]), TypeError, "request_id=['good0'] has type list"),
+    # SamplingParams (vLLM: a finite temperature, top_k -1 or 0 for off, integer ids)
+    ("temperature inf", lambda s: SamplingParams(temperature=math.inf), ValueError,
+     "temperature=inf is invalid: it must be a finite number >= 0"),
+    ("temperature nan", lambda s: SamplingParams(temperature=math.nan), ValueError, "temperature=nan"),
+    ("temperature negative", lambda s: SamplingParams(temperature=-1), ValueError, "temperature=-1"),
+    ("temperature a string", lambda s: SamplingParams(temperature="0.5"), TypeError,
+     "temperature='0.5' has type str: it must be a number"),
+    ("top_p nan", lambda s: SamplingParams(top_p=math.nan), ValueError, "top_p=nan is invalid: it must be in (0, 1]"),
+    ("top_p 0", lambda s: SamplingParams(top_p=0), ValueError, "top_p=0"),
+    ("top_p above 1", lambda s: SamplingParams(top_p=1.5), ValueError, "top_p=1.5"),
+    ("top_k below -1", lambda s: SamplingParams(top_k=-2), ValueError,
+     "top_k=-2 is invalid: it must be an integer >= 1, or -1 or 0 (off)"),
+    ("top_k a float", lambda s: SamplingParams(top_k=5.0), TypeError, "top_k=5.0 has type float"),
+    ("max_tokens 0", lambda s: SamplingParams(max_tokens=0), ValueError, "max_tokens=0"),
+    ("max_tokens a float", lambda s: SamplingParams(max_tokens=8.0), TypeError, "max_tokens=8.0 has type float"),
+    ("seed a string", lambda s: SamplingParams(seed="abc"), TypeError,
+     "seed='abc' has type str: it must be an integer or None"),
+    ("seed past int64", lambda s: SamplingParams(seed=2**64), ValueError, "seed=18446744073709551616 is invalid"),
+    ("negative stop id", lambda s: SamplingParams(stop_token_ids=[-5]), ValueError, "stop_token_ids=[-5] is invalid"),
+    ("stop ids an int", lambda s: SamplingParams(stop_token_ids=5), TypeError,
+     "stop_token_ids=5 has type int: it must be a list of integers"),
+    ("float stop ids", lambda s: SamplingParams(stop_token_ids=[2.0]), TypeError, "stop_token_ids=[2.0]"),
+    ("ignore_eos a string", lambda s: SamplingParams(ignore_eos="no"), TypeError,
+     "ignore_eos='no' has type str: it must be True or False"),
+    # LLM / Engine settings (EngineConfig)
+    ("block_size 3", lambda s: EngineConfig(block_size=3), ValueError, "block_size=3 is invalid: it must be a power"),
+    ("block_size a float", lambda s: EngineConfig(block_size=16.0), TypeError, "block_size=16.0 has type float"),
+    ("num_blocks 0", lambda s: EngineConfig(num_blocks=0), ValueError, "num_blocks=0 is invalid"),
+    ("gpu_memory_utilization nan", lambda s: EngineConfig(gpu_memory_utilization=math.nan), ValueError,
+     "gpu_memory_utilization=nan is invalid: it must be in (0, 1]"),
+    ("max_num_seqs 0", lambda s: EngineConfig(max_num_seqs=0), ValueError, "max_num_seqs=0 is invalid"),
+    ("max_num_batched_tokens -1", lambda s: EngineConfig(max_num_batched_tokens=-1), ValueError,
+     "max_num_batched_tokens=-1 is invalid"),
+    ("max_model_len 0", lambda s: EngineConfig(max_model_len=0), ValueError, "max_model_len=0 is invalid"),
+    ("max_model_len past the model", lambda s: LLM("tiny", max_model_len=10**6), ValueError,
+     "max_model_len=1000000 exceeds the model's max_position_embeddings=2048"),
+    ("seed a string", lambda s: EngineConfig(seed="abc"), TypeError, "seed='abc' has type str"),
+    ("device tpu", lambda s: EngineConfig(device="tpu"), ValueError,
+     "device='tpu' is invalid: it must be 'cpu', 'cuda' or 'cuda:N'"),
+    ("device cuda:99", lambda s: EngineConfig(device="cuda:99"), ValueError, "device='cuda:99'"),
+    ("dtype int8", lambda s: EngineConfig(dtype="int8"), ValueError, "dtype='int8' is invalid"),
+    ("model None", lambda s: LLM(None), TypeError, "model=None has type NoneType: it must be a string"),
+    ("model missing", lambda s: LLM("/no/such/folder"), ValueError, "neither a folder nor a preset"),
+    ("fuse a string", lambda s: EngineConfig(fuse="yes"), TypeError, "fuse='yes' has type str: it must be True"),
+    ("async_scheduling 1", lambda s: EngineConfig(async_scheduling=1), TypeError, "async_scheduling=1 has type int"),
+    ("triton_linear_rows 257", lambda s: EngineConfig(triton_linear_rows=257), ValueError,
+     "triton_linear_rows=257 is invalid: it must be in [0, 256]"),
+    ("graph_buckets 0", lambda s: EngineConfig(graph_buckets=(0, 8)), ValueError, "graph_buckets=(0, 8) is invalid"),
+    ("graph_buckets an int", lambda s: EngineConfig(graph_buckets=8), TypeError, "graph_buckets=8 has type int"),
+    ("an unknown setting", lambda s: LLM("tiny", max_seqs=4), TypeError, "max_seqs"),
+    ("Engine given a model name", lambda s: nanoengine.Engine("tiny"), TypeError,
+     "cfg='tiny' has type str: give an EngineConfig"),
+    # checkpoints
+    ("truncated model.safetensors", lambda s: LLM(s.truncated), ValueError,
+     "model.safetensors is not a readable safetensors file (Error while deserializing header"),
+    ("a shard missing", lambda s: LLM(s.shard_missing), ValueError,
+     "model-00002-of-00002.safetensors is not a readable safetensors file"),
+    ("index not JSON", lambda s: LLM(s.bad_index), ValueError, "model.safetensors.index.json is unreadable"),
+]
+
+GOOD_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20]
+GOOD_PARAMS = [greedy(6), SamplingParams(temperature=0.8, top_k=50, seed=5, max_tokens=6, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_p=0.9, seed=6, max_tokens=6, ignore_eos=True)]
+
+
+def _serve_good_requests(engine, bad_call=lambda: None) -> dict:
+    """The good requests, added and one step in (so some hold KV) before bad_call; run to the end."""
+    ids = [engine.add_request(p, sp, request_id=f"good{i}")
+           for i, (p, sp) in enumerate(zip(GOOD_PROMPTS, GOOD_PARAMS))]
+    done = {o.request_id: o.token_ids for o in engine.step()}
+    bad_call()
+    assert set(engine.scheduler.requests) <= set(ids), "the bad call left a request in the engine"
+    while engine.has_unfinished():
+        done.update((o.request_id, o.token_ids) for o in engine.step())
+    return done
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory, ckpt_dirs):
+    llm = LLM("tiny", num_blocks=16)  # 256 tokens of KV
+    cfg, sd, _ = ckpt_dirs["qwen3"]
+    root = tmp_path_factory.mktemp("broken")
+    truncated = save_checkpoint(root / "truncated", cfg, sd)
+    path = os.path.join(truncated, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)  # as a download cut short
+    shard_missing = save_checkpoint(root / "shard_missing", cfg, sd, shards=2)
+    os.remove(os.path.join(shard_missing, "model-00002-of-00002.safetensors"))
+    bad_index = save_checkpoint(root / "bad_index", cfg, sd, shards=2)
+    with open(os.path.join(bad_index, "model.safetensors.index.json"), "w") as f:
+        f.write("{not json")
+    return SimpleNamespace(llm=llm, engine=llm.engine, truncated=truncated, shard_missing=shard_missing,
+                           bad_index=bad_index, want=_serve_good_requests(llm.engine))
+
+
+@pytest.mark.parametrize("what,call,error,msg", BAD_INPUT, ids=[row[0] for row in BAD_INPUT])
+def test_bad_input_raises_one_clear_error_and_the_engine_keeps_serving(serving, what, call, error, msg):
+    """Each bad input raises its own exception type with a message naming the argument, its value and what
+    is allowed; the requests already in the engine finish with the tokens of a run without it."""
+    def bad_call():
+        with pytest.raises(error) as e:
+            call(serving)
+        assert msg in str(e.value), f"{what}: {e.value}"
+    assert _serve_good_requests(serving.engine, bad_call) == serving.want
+    check_clean(serving.engine)
 
 
 def test_bad_models_are_refused(tmp_path, ckpt_dirs):
@@ -1182,8 +1314,16 @@ def test_profile_summary_splits_idle_time(tmp_path):
     (["overhead", "--requests", "0"], "--requests"),
     (["overhead", "--configs", "turbo"], "turbo"),
     (["kernels"], "needs a CUDA device"),
+    (["generate", "--prompt-ids", "1", "--temperature", "inf"], "temperature=inf is invalid"),
+    (["bench", "--min-len", "50", "--max-len", "10"], "--min-len 50 is more than --max-len 10"),
+    (["generate", "--model", "{truncated}", "--prompt-ids", "1"], "model.safetensors is not a readable safetensors"),
 ])
-def test_cli_bad_input_is_one_line(args, msg):
+def test_cli_bad_input_is_one_line(tmp_path, args, msg):
+    if "{truncated}" in args:  # a checkpoint whose download was cut short
+        path = os.path.join(save_checkpoint(tmp_path, *checkpoint("qwen3")), "model.safetensors")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        args = [str(tmp_path) if x == "{truncated}" else x for x in args]
     r = cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, r.stderr
