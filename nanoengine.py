@@ -79,6 +79,29 @@ PRESETS = {
 # Configuration
 
 
+# config.json fields that transformers 5.x writes under another name: {4.x name: 5.x name}. From 5.x's
+# configuration_llama.py, _qwen2.py, _qwen3.py and _qwen3_moe.py (whose attribute_map stores num_experts
+# as num_local_experts) and configuration_utils.py. 5.x also moved rope_theta and rope_scaling into one
+# rope_parameters dict, and renamed torch_dtype to dtype, which nanoengine does not read.
+V5_NAMES = {"num_experts": "num_local_experts"}
+
+
+def v4_names(cfg: dict) -> dict:
+    """A config.json dict with transformers 4.x's names, whichever version wrote it: the one place that
+    reads 5.x's layout. Where a file has both names, the 4.x one wins."""
+    cfg = dict(cfg)
+    for old, new in V5_NAMES.items():
+        if cfg.get(old) is None and new in cfg:
+            cfg[old] = cfg[new]
+    rope = dict(cfg.get("rope_parameters") or {})  # 5.x: rope_theta, rope_type and the scaling's fields
+    theta = rope.pop("rope_theta", None)
+    if cfg.get("rope_theta") is None and theta is not None:
+        cfg["rope_theta"] = theta
+    if not cfg.get("rope_scaling") and rope:
+        cfg["rope_scaling"] = rope  # rope_type "default" means none, as in 4.x
+    return cfg
+
+
 @dataclass
 class ModelConfig:
     """The model's shape, read from a Hugging Face config.json (transformers 4.x or 5.x layout)."""
@@ -108,23 +131,26 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str = "config.json") -> "ModelConfig":
+        cfg = v4_names(cfg)
         arch = (cfg.get("architectures") or [None])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"{where}: architectures={cfg.get('architectures')} is not supported; "
                              f"nanoengine runs {', '.join(ARCHITECTURES)}")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        moe = arch == "Qwen3MoeForCausalLM"
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+        for key in required + (("num_experts", "num_experts_per_tok", "moe_intermediate_size") if moe else ()):
+            also = f" (transformers 5.x: '{V5_NAMES[key]}')" if key in V5_NAMES else ""
             if cfg.get(key) is None:
-                raise ValueError(f"{where}: required field '{key}' is missing")
+                raise ValueError(f"{where}: required field '{key}'{also} is missing")
+            if not is_int(cfg[key]) or cfg[key] < 1:
+                raise ValueError(f"{where}: {key}={cfg[key]!r} is invalid: it must be an integer >= 1")
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"].get("quant_method", "?")
             raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported; "
                              "nanoengine loads unquantized float16/bfloat16/float32 weights only")
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{where}: use_sliding_window=True is not supported; only full attention is")
-        # transformers 5.x moved rope_theta and rope_scaling into one rope_parameters dict.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = cfg.get("rope_scaling") or None
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("default", "llama3"):
@@ -133,21 +159,20 @@ class ModelConfig:
             scaling = None if kind == "default" else scaling
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        moe = arch == "Qwen3MoeForCausalLM"
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"], num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), rope_scaling=scaling,
+            rope_theta=float(cfg.get("rope_theta") or 10000.0), rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             qk_norm=arch.startswith("Qwen3"),
-            num_experts=cfg.get("num_experts", 0) if moe else 0,
+            num_experts=cfg["num_experts"] if moe else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

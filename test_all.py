@@ -210,8 +210,13 @@ def ref_greedy(state: dict, config: dict, prompt: list[int], max_tokens: int) ->
 
 
 def to_v5_config(config: dict) -> dict:
-    """Move rope_theta / rope_scaling into rope_parameters, as transformers 5 writes it."""
+    """The config as transformers 5.x writes it: rope_theta / rope_scaling moved into rope_parameters,
+    Qwen3-MoE's num_experts named num_local_experts (Qwen3MoeConfig.attribute_map), torch_dtype named dtype."""
     cfg = dict(config)
+    if "num_experts" in cfg:
+        cfg["num_local_experts"] = cfg.pop("num_experts")
+    if "torch_dtype" in cfg:
+        cfg["dtype"] = cfg.pop("torch_dtype")
     params = dict(cfg.pop("rope_scaling", None) or {})
     if "type" in params:
         params["rope_type"] = params.pop("type")
@@ -514,7 +519,7 @@ def test_stops_on_eos_stop_ids_and_max_len(ckpt_dirs):
 
 
 @pytest.mark.parametrize("arch,tie,shards", [("qwen3", True, 1), ("qwen3", False, 3), ("llama", True, 2),
-                                             ("qwen2", False, 1)])
+                                             ("qwen2", False, 1), ("qwen3_moe", False, 2)])
 def test_safetensors_round_trip(tmp_path, arch, tie, shards):
     cfg, sd = checkpoint(arch, tie=tie, seed=7)
     assert ("lm_head.weight" in sd) != tie
@@ -522,9 +527,12 @@ def test_safetensors_round_trip(tmp_path, arch, tie, shards):
     prompts = mixed_prompts(3, cfg["vocab_size"], seed=8)
     outs = LLM(model=folder).generate(prompts, greedy(6))
     assert [o.token_ids for o in outs] == [ref_greedy(sd, cfg, p, 6) for p in prompts]
-    # transformers 5.x writes rope settings as rope_parameters: same model, same tokens
-    folder5 = save_checkpoint(tmp_path / "ck5", to_v5_config(cfg), sd, shards=shards)
-    assert [o.token_ids for o in LLM(model=folder5).generate(prompts, greedy(6))] == [o.token_ids for o in outs]
+    # transformers 5.x's config.json (renamed fields, rope_parameters): the same model, the same tokens
+    v5 = to_v5_config(cfg)
+    assert nanoengine.ModelConfig.from_hf(v5) == nanoengine.ModelConfig.from_hf(cfg)
+    llm5 = LLM(model=save_checkpoint(tmp_path / "ck5", v5, sd, shards=shards))
+    assert llm5.engine.model.config.num_experts == cfg.get("num_experts", 0)  # a MoE loads as one
+    assert [o.token_ids for o in llm5.generate(prompts, greedy(6))] == [o.token_ids for o in outs]
 
 
 def test_string_prompts_with_a_tokenizer(tmp_path, ckpt_dirs):
@@ -828,7 +836,10 @@ def test_bad_models_are_refused(tmp_path, ckpt_dirs):
              (dict(cfg, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
              (dict(cfg, rope_scaling=dict(rope_type="yarn", factor=4.0)), "'yarn'"),
              (dict(cfg, quantization_config=dict(quant_method="gptq")), "gptq"),
-             (dict(cfg, use_sliding_window=True), "use_sliding_window")]
+             (dict(cfg, use_sliding_window=True), "use_sliding_window"),
+             (dict(cfg, vocab_size="256"), "vocab_size='256' is invalid: it must be an integer >= 1"),
+             (dict(cfg, architectures=["Qwen3MoeForCausalLM"]),  # a MoE with no expert count, in either layout
+              r"required field 'num_experts' \(transformers 5\.x: 'num_local_experts'\) is missing")]
     for i, (bad_cfg, msg) in enumerate(cases):
         with pytest.raises(ValueError, match=msg):
             Engine(model=save_checkpoint(tmp_path / f"bad{i}", bad_cfg, sd))
