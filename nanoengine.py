@@ -1159,6 +1159,7 @@ class Engine:
         self.readback = None  # async on CUDA: two pinned token buffers, alternating
         self.cuda = cfg.device.startswith("cuda")
         self._ids = 0
+        self.aborted: list[Request] = []  # aborted since the last step, which returns them
 
     def _blocks_for_memory(self) -> int:
         mc = self.model.config
@@ -1240,14 +1241,19 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str):
-        """Safe at any time, also with a step in flight: its token for this request is dropped."""
+        """Stop a request and give its blocks back. The next step() or step_async() returns it, once, with
+        finish_reason "abort" and the tokens it had, as vLLM does. Safe at any time, also with a step in
+        flight (async): that step's token for it is dropped, as it was never read back. An unknown or
+        finished id is ignored."""
         check_type("request_id", request_id, "str")
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
+            self.aborted.append(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.inflight is not None
+        """Requests to run, a step in flight, or aborted requests not yet returned."""
+        return self.scheduler.has_unfinished() or self.inflight is not None or bool(self.aborted)
 
     # -- steps --------------------------------------------------------------------------------------------
     @property
@@ -1281,7 +1287,8 @@ class Engine:
         return self._outputs(out, finished, t0)
 
     def _outputs(self, out, finished: list[Request], t0: float) -> list[RequestOutput]:
-        outputs = [self.output(r) for r in finished]
+        outputs = [self.output(r) for r in self.aborted + finished]
+        self.aborted = []
         st = self.stats
         st.steps += bool(out.requests)
         st.tokens += out.num_samples

@@ -753,11 +753,15 @@ class Scheduler:
         return finished
 
     def finish(self, req: Request, reason: str):
+        """End a request between steps (an abort). Its tokens still in flight (async: PLACEHOLDERs) are
+        dropped, never read back: fill() skips them when they land."""
         if req.status == RUNNING:
-            self._drop_steady()  # the running set changes
+            self._drop_steady()  # the running set changes (and req gets back the tokens the set held)
             self.running.remove(req)
         elif req.status == WAITING:
             self.waiting.remove(req)
+        while req.pending:
+            req.token_ids.pop()
         self.blocks.release([req])
         self._retire(req, reason)
 

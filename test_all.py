@@ -1149,6 +1149,42 @@ def test_async_placeholder_input_comes_from_the_device():
 
 
 
+@pytest.mark.parametrize("use_async", [False, True])
+def test_aborted_requests_come_back_once(use_async):
+    """As in vLLM: an aborted request is returned once, by the next step, with finish_reason "abort" and the
+    tokens it had; its blocks go back once; the others' tokens are those of a run without it. Aborted: one
+    still waiting, and one running (async: with its step in flight, whose token is dropped)."""
+    prompts = mixed_prompts(4, 4096, seed=21)
+    keep = run(Engine(model="tiny"), prompts[:2], greedy(12))  # the two that are never aborted
+    alone = run(Engine(model="tiny"), prompts[2:3], greedy(12))[0].token_ids  # the running one, not aborted
+    engine = Engine(model="tiny", max_num_seqs=3)  # the fourth request waits while three run
+    ids = [engine.add_request(p, greedy(12)) for p in prompts]
+    step = engine.step_async if use_async else engine.step
+    outs = {rid: [] for rid in ids}
+    for n in range(1, 100):
+        for o in step():
+            outs[o.request_id].append(o)
+        if n == 1:
+            assert engine.scheduler.requests[ids[3]].status == "waiting"
+            engine.abort(ids[3])
+        if n == 4:  # three steady decodes after the prefill
+            req = engine.scheduler.requests[ids[2]]
+            assert req.status == "running" and (engine.inflight is not None) == use_async
+            engine.abort(ids[2])
+            engine.abort(ids[2])  # aborted already: a no-op, as an unknown id
+            engine.abort("no such request")
+        if not engine.has_unfinished():
+            break
+    had = 4 - use_async  # async: the fourth step's token was in flight, never read back
+    for i, want in ((3, []), (2, alone[:had])):
+        [o] = outs[ids[i]]
+        assert (o.finish_reason, o.finished, o.token_ids, o.prompt_token_ids) == ("abort", True, want, prompts[i])
+    assert [[o.token_ids for o in outs[rid]] for rid in ids[:2]] == [[o.token_ids] for o in keep]
+    engine.abort(ids[0])  # finished: a no-op
+    assert not engine.has_unfinished() and engine.step() == []
+    check_clean(engine)
+
+
 def _staged(x):
     """A Batch or SamplingBatch as plain values, to compare what two runners staged."""
     return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(x).items()}
