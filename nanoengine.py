@@ -16,7 +16,8 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, fields
 from functools import partial
 from types import SimpleNamespace
 
@@ -27,10 +28,13 @@ from torch import nn
 
 import kernels
 from graphs import GraphRunner
-from scheduler import FINISHED, PLACEHOLDER, RUNNING, Request, SamplingParams, Scheduler
+from scheduler import (FINISHED, PLACEHOLDER, RUNNING, SEED_RANGE, Request, SamplingParams, Scheduler, check_type,
+                       is_int, require)
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
 
+# EngineConfig's annotations -> what its fields may hold (scheduler.KINDS): see EngineConfig._check_types
+SETTING_KINDS = {str: "str", int: "int", float: "number", bool: "bool", tuple: "ints"}
 EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
 CPU_KV_BYTES = 512 << 20          # KV cache on the CPU: 16k blocks for `tiny`, modest for real shapes
 CUDA_HEADROOM_BYTES = 4 << 30     # kept free on CUDA for activations, logits and graphs
@@ -75,6 +79,29 @@ PRESETS = {
 # Configuration
 
 
+# config.json fields that transformers 5.x writes under another name: {4.x name: 5.x name}. From 5.x's
+# configuration_llama.py, _qwen2.py, _qwen3.py and _qwen3_moe.py (whose attribute_map stores num_experts
+# as num_local_experts) and configuration_utils.py. 5.x also moved rope_theta and rope_scaling into one
+# rope_parameters dict, and renamed torch_dtype to dtype, which nanoengine does not read.
+V5_NAMES = {"num_experts": "num_local_experts"}
+
+
+def v4_names(cfg: dict) -> dict:
+    """A config.json dict with transformers 4.x's names, whichever version wrote it: the one place that
+    reads 5.x's layout. Where a file has both names, the 4.x one wins."""
+    cfg = dict(cfg)
+    for old, new in V5_NAMES.items():
+        if cfg.get(old) is None and new in cfg:
+            cfg[old] = cfg[new]
+    rope = dict(cfg.get("rope_parameters") or {})  # 5.x: rope_theta, rope_type and the scaling's fields
+    theta = rope.pop("rope_theta", None)
+    if cfg.get("rope_theta") is None and theta is not None:
+        cfg["rope_theta"] = theta
+    if not cfg.get("rope_scaling") and rope:
+        cfg["rope_scaling"] = rope  # rope_type "default" means none, as in 4.x
+    return cfg
+
+
 @dataclass
 class ModelConfig:
     """The model's shape, read from a Hugging Face config.json (transformers 4.x or 5.x layout)."""
@@ -104,23 +131,26 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str = "config.json") -> "ModelConfig":
+        cfg = v4_names(cfg)
         arch = (cfg.get("architectures") or [None])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"{where}: architectures={cfg.get('architectures')} is not supported; "
                              f"nanoengine runs {', '.join(ARCHITECTURES)}")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        moe = arch == "Qwen3MoeForCausalLM"
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+        for key in required + (("num_experts", "num_experts_per_tok", "moe_intermediate_size") if moe else ()):
+            also = f" (transformers 5.x: '{V5_NAMES[key]}')" if key in V5_NAMES else ""
             if cfg.get(key) is None:
-                raise ValueError(f"{where}: required field '{key}' is missing")
+                raise ValueError(f"{where}: required field '{key}'{also} is missing")
+            if not is_int(cfg[key]) or cfg[key] < 1:
+                raise ValueError(f"{where}: {key}={cfg[key]!r} is invalid: it must be an integer >= 1")
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"].get("quant_method", "?")
             raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported; "
                              "nanoengine loads unquantized float16/bfloat16/float32 weights only")
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{where}: use_sliding_window=True is not supported; only full attention is")
-        # transformers 5.x moved rope_theta and rope_scaling into one rope_parameters dict.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = cfg.get("rope_scaling") or None
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("default", "llama3"):
@@ -129,21 +159,20 @@ class ModelConfig:
             scaling = None if kind == "default" else scaling
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        moe = arch == "Qwen3MoeForCausalLM"
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"], num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), rope_scaling=scaling,
+            rope_theta=float(cfg.get("rope_theta") or 10000.0), rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             qk_norm=arch.startswith("Qwen3"),
-            num_experts=cfg.get("num_experts", 0) if moe else 0,
+            num_experts=cfg["num_experts"] if moe else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
@@ -180,33 +209,61 @@ class EngineConfig:
     async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
 
     def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size={self.block_size} is invalid: it must be a power of two")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks={self.num_blocks} is invalid: it must be >= 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens="
-                             f"{self.max_num_batched_tokens} must both be >= 1")
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but torch sees no CUDA device; use device='cpu'")
+        self._check_types()
+        require(self.block_size >= 1 and not self.block_size & (self.block_size - 1), "block_size",
+                self.block_size, "a power of two")
+        require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks, "None or >= 1")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+                "in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
+        require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
+                "None (the model's) or >= 2: a prompt token and one generated")
+        require(SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed, "an integer in [-2**63, 2**63)")
+        require(self.graph_buckets is None or (len(self.graph_buckets) > 0 and min(self.graph_buckets) >= 1),
+                "graph_buckets", self.graph_buckets, "None or batch sizes >= 1")
+        self._pick_device()
         if self.dtype is None:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} is invalid: use float32, bfloat16 or float16")
+        require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
+                "'float32', 'bfloat16' or 'float16'")
         if self.triton is None:
             self.triton = self.device.startswith("cuda")
         for name in ("triton_linear_rows", "triton_narrow_rows"):
             rows = getattr(self, name)
             if rows is None and not (self.device.startswith("cuda") and self.triton):
                 setattr(self, name, 0)  # the CPU: torch's matmul (the interpreter would only be slower)
-            elif rows is not None and not 0 <= rows <= kernels.LINEAR_MAX_M:
-                raise ValueError(f"{name}={rows} is invalid: it must be in [0, {kernels.LINEAR_MAX_M}]")
+            else:
+                require(rows is None or 0 <= rows <= kernels.LINEAR_MAX_M, name, rows,
+                        f"in [0, {kernels.LINEAR_MAX_M}]")
         if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
             self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
+
+    def _check_types(self):
+        """A TypeError for a setting of the wrong type, before any value is looked at: each field holds the
+        type its annotation says (a float any number, a tuple any list of integers), or None where that is
+        its default. A path may also be a pathlib.Path, and dtype a torch.dtype."""
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.dtype, torch.dtype):
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        for f in fields(self):
+            annotated = [t for t in typing.get_args(f.type) or (f.type,) if t is not type(None)][0]
+            check_type(f.name, getattr(self, f.name), SETTING_KINDS[annotated], optional=f.default is None)
+
+    def _pick_device(self):
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:  # not a device name at all
+            device = None
+        require(device is not None and device.type in ("cpu", "cuda"), "device", self.device,
+                "'cpu', 'cuda' or 'cuda:N'")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but torch sees no CUDA device; use device='cpu'")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device={self.device!r} but torch sees {torch.cuda.device_count()} CUDA devices")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -481,8 +538,12 @@ def checkpoint_files(folder: str) -> list[str]:
     single = os.path.join(folder, "model.safetensors")
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"model={folder!r}: model.safetensors.index.json is unreadable or has no "
+                             f"weight_map ({type(e).__name__}: {e})") from None
         return [os.path.join(folder, s) for s in shards]
     if os.path.exists(single):
         return [single]
@@ -491,23 +552,27 @@ def checkpoint_files(folder: str) -> list[str]:
 
 def load_weights(model: Model, folder: str):
     """Copy each checkpoint tensor into the parameter of the same name, one shard at a time."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = set(params) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
     for path in checkpoint_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved a derived buffer
-                    continue
-                if name not in params:
-                    raise ValueError(f"model={folder!r}: tensor {name!r} in {os.path.basename(path)} matches "
-                                     "no parameter (quantized or unsupported weights?)")
-                t, p = f.get_tensor(name), params[name]
-                if t.shape != p.shape:
-                    raise ValueError(f"model={folder!r}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                     f"config.json implies {tuple(p.shape)}")
-                p.data.copy_(t)
-                missing.discard(name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved a derived buffer
+                        continue
+                    if name not in params:
+                        raise ValueError(f"model={folder!r}: tensor {name!r} in {os.path.basename(path)} matches "
+                                         "no parameter (quantized or unsupported weights?)")
+                    t, p = f.get_tensor(name), params[name]
+                    if t.shape != p.shape:
+                        raise ValueError(f"model={folder!r}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                         f"config.json implies {tuple(p.shape)}")
+                    p.data.copy_(t)
+                    missing.discard(name)
+        except (SafetensorError, OSError) as e:  # truncated, corrupt, or missing: say which file
+            raise ValueError(f"model={folder!r}: {os.path.basename(path)} is not a readable safetensors file "
+                             f"({e}); is it truncated or corrupt? Download it again") from None
     if missing:
         raise ValueError(f"model={folder!r}: the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[0]!r}")
 
@@ -794,8 +859,9 @@ class ModelRunner:
         self.row_nblocks[row] = 0
         p = req.params
         self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
-        self.top_k[row] = self.model.config.vocab_size if p.top_k == -1 else p.top_k
-        self.filtered[row] = p.top_k != -1 or p.top_p < 1
+        vocab = self.model.config.vocab_size
+        top_k = p.top_k if 0 < p.top_k < vocab else vocab  # -1, 0 or >= the vocabulary: no limit (as vLLM)
+        self.top_k[row], self.filtered[row] = top_k, top_k < vocab or p.top_p < 1
         return row
 
     def release(self, req: Request):
@@ -1075,6 +1141,9 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig | None = None, **settings):
         cfg = cfg or EngineConfig(**settings)
+        if not isinstance(cfg, EngineConfig):
+            raise TypeError(f"cfg={cfg!r:.80} has type {type(cfg).__name__}: give an EngineConfig, or the "
+                            "settings as keywords (Engine(model=...))")
         self.cfg = cfg
         self.model, folder = build_model(cfg)
         self.tokenizer = load_tokenizer(folder)
@@ -1090,6 +1159,7 @@ class Engine:
         self.readback = None  # async on CUDA: two pinned token buffers, alternating
         self.cuda = cfg.device.startswith("cuda")
         self._ids = 0
+        self.aborted: list[Request] = []  # aborted since the last step, which returns them
 
     def _blocks_for_memory(self) -> int:
         mc = self.model.config
@@ -1107,17 +1177,38 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
+        """A prompt as token ids: text through the model's tokenizer, or a list (tuple, numpy array, 1-D
+        tensor) of integer ids taken as they are. Anything else is a TypeError: an id is never rounded."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt is a string but model={self.cfg.model!r} has no tokenizer "
                                  "(it needs tokenizer.json and the optional 'tokenizers' package); "
                                  "pass token ids instead")
             return self.tokenizer.encode(prompt).ids
+        if isinstance(prompt, (np.ndarray, torch.Tensor)):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"prompt={prompt!r:.80} has type {type(prompt).__name__}: give a string or a list of "
+                            "token ids")
+        if not all(type(t) is int for t in prompt):  # one quick pass for the usual case; numpy ints pass too
+            bad = next((i for i, t in enumerate(prompt) if not is_int(t)), None)
+            if bad is not None:
+                raise TypeError(f"prompt[{bad}]={prompt[bad]!r:.80} has type {type(prompt[bad]).__name__}: token "
+                                "ids must be integers")
         return [int(t) for t in prompt]
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Validate and queue one request. Bad input raises ValueError and changes nothing."""
-        params = params or SamplingParams()
+        """Validate and queue one request; returns its id. Bad input raises ValueError (or TypeError, for
+        a wrong type) naming the argument, its value and what is allowed, and changes nothing."""
+        ids, params = self._check(prompt, params, request_id)
+        return self._add(ids, params, request_id)
+
+    def _check(self, prompt, params, request_id: str | None) -> tuple[list[int], SamplingParams]:
+        """The checks of add_request: (the prompt's ids, the params). Raises on bad input."""
+        params = check_params("params", params)
+        check_type("request_id", request_id, "str", optional=True)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
         ids = self.tokenize(prompt)
         vocab, limit = self.model.config.vocab_size, self.max_model_len
         if not ids:
@@ -1125,6 +1216,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary: ids must be in [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most "
                              f"{limit - 1}")
@@ -1134,22 +1228,32 @@ class Engine:
             raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_tokens "
                              f"{params.max_tokens}) but the whole cache holds {capacity}; lower max_tokens "
                              "or give the engine more num_blocks")
-        if request_id is None:
+        return ids, params
+
+    def _add(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request that _check has passed."""
+        if request_id is None:  # the next number that no request uses (a caller may have picked it as an id)
+            while str(self._ids) in self.scheduler.requests:
+                self._ids += 1
             request_id, self._ids = str(self._ids), self._ids + 1
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         self.scheduler.add(Request(request_id, ids, params, seed))
         return request_id
 
     def abort(self, request_id: str):
-        """Safe at any time, also with a step in flight: its token for this request is dropped."""
+        """Stop a request and give its blocks back. The next step() or step_async() returns it, once, with
+        finish_reason "abort" and the tokens it had, as vLLM does. Safe at any time, also with a step in
+        flight (async): that step's token for it is dropped, as it was never read back. An unknown or
+        finished id is ignored."""
+        check_type("request_id", request_id, "str")
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
+            self.aborted.append(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.inflight is not None
+        """Requests to run, a step in flight, or aborted requests not yet returned."""
+        return self.scheduler.has_unfinished() or self.inflight is not None or bool(self.aborted)
 
     # -- steps --------------------------------------------------------------------------------------------
     @property
@@ -1183,7 +1287,8 @@ class Engine:
         return self._outputs(out, finished, t0)
 
     def _outputs(self, out, finished: list[Request], t0: float) -> list[RequestOutput]:
-        outputs = [self.output(r) for r in finished]
+        outputs = [self.output(r) for r in self.aborted + finished]
+        self.aborted = []
         st = self.stats
         st.steps += bool(out.requests)
         st.tokens += out.num_samples
@@ -1240,23 +1345,51 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **settings))
 
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, as text or as ids
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
-                             "give one, or one per prompt")
-        engine, ids = self.engine, []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p))
-        except ValueError:
-            for rid in ids:  # leave the engine as it was
-                engine.abort(rid)
-            raise
+        """prompts: one prompt (text, or a list of token ids) or a list of them; sampling_params: one
+        SamplingParams for all, a list with one per prompt, or None for the defaults. Every prompt is
+        checked before any is queued, so a bad one raises (naming it) and leaves the engine as it was."""
+        prompts = prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
+            params = [check_params(f"sampling_params[{i}]", p) for i, p in enumerate(sampling_params)]
+        else:
+            params = [check_params("sampling_params", sampling_params)] * len(prompts)
+        engine, checked = self.engine, []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                checked.append(engine._check(prompt, p, None))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+        ids = [engine._add(tokens, p) for tokens, p in checked]
         done = {}
         step = engine.step_async if engine.cfg.async_scheduling else engine.step
         while engine.has_unfinished():
             for o in step():
                 done[o.request_id] = o
         return [done[rid] for rid in ids]
+
+
+def prompt_list(prompts) -> list:
+    """LLM.generate's prompts as a list of prompts: a single one (text, or token ids) becomes a list of one."""
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts={prompts!r:.80} has type {type(prompts).__name__}: give a prompt (a string or a "
+                        "list of token ids) or a list of prompts")
+    if prompts and not isinstance(prompts[0], (str, list, tuple, np.ndarray, torch.Tensor)):
+        return [prompts]  # one prompt of ids (tokenize says if they are not all integers)
+    return list(prompts)
+
+
+def check_params(name: str, params) -> SamplingParams:
+    """A request's SamplingParams: None means the defaults; anything else is a TypeError."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"{name}={params!r:.80} has type {type(params).__name__}: give a SamplingParams, or None "
+                        "for the defaults")
+    return params

@@ -183,6 +183,8 @@ def cmd_generate(a):
 
 def cmd_bench(a):
     """nano-vllm's offline protocol: random prompt and output lengths in [min_len, max_len], ignore_eos."""
+    if a.min_len > a.max_len:
+        raise ValueError(f"--min-len {a.min_len} is more than --max-len {a.max_len}")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
                                  async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
@@ -707,7 +709,7 @@ def main(argv=None):
     try:
         {"generate": cmd_generate, "overhead": cmd_overhead, "bench": cmd_bench, "profile": cmd_profile,
          "kernels": cmd_kernels}[a.cmd](a)
-    except ValueError as e:
+    except (ValueError, TypeError, OSError) as e:  # bad input (or a path it names): one line, no traceback
         print(f"run.py {a.cmd}: error: {e}", file=sys.stderr)
         sys.exit(2)
 

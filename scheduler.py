@@ -1,7 +1,8 @@
 """Requests, the paged block manager with prefix caching, and the continuous-batching scheduler.
 
 This file knows token ids, block ids and counts, and nothing of torch or of the model: nanoengine.py turns
-what `Scheduler.schedule()` returns into tensors. It imports nothing from the rest of nanoengine.
+what `Scheduler.schedule()` returns into tensors. It imports nothing from the rest of nanoengine. It also
+holds the checks of user input that both files use (check_type, require): SamplingParams checks itself.
 
 The life of a request: WAITING (queued, or preempted) -> RUNNING (holds KV blocks; each step computes some
 of its tokens: a chunk of its prompt, or the one token it sampled last) -> FINISHED (blocks returned).
@@ -10,6 +11,7 @@ Most steps are plain decodes of an unchanged running set. Those take a fast path
 cost is a few numpy operations and one tight loop, however many requests run: see its docstring.
 """
 import itertools
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -25,28 +27,75 @@ STEADY_MAX_STEPS = 256
 PLACEHOLDER = -1
 
 
+def is_int(x) -> bool:
+    """A Python or numpy integer, but not a bool: True is an int to Python, never a count or a token id."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+# What an argument may hold, for check_type: (the test, the words an error says it with)
+KINDS = {
+    "int": (is_int, "an integer"),
+    "number": (lambda x: is_int(x) or isinstance(x, (float, np.floating)), "a number"),
+    "bool": (lambda x: isinstance(x, (bool, np.bool_)), "True or False"),
+    "str": (lambda x: isinstance(x, str), "a string"),
+    "ints": (lambda x: isinstance(x, (list, tuple, set, frozenset, np.ndarray)) and all(map(is_int, x)),
+             "a list of integers"),
+}
+
+
+def check_type(name: str, value, kind: str, optional: bool = False):
+    """TypeError naming the argument, its value and what it may hold, unless value is of `kind` (a KINDS
+    key), or None where optional."""
+    test, words = KINDS[kind]
+    if not (test(value) or (optional and value is None)):
+        raise TypeError(f"{name}={value!r:.80} has type {type(value).__name__}: it must be {words}"
+                        + (" or None" if optional else ""))
+
+
+def require(ok: bool, name: str, value, allowed: str):
+    """ValueError naming the argument, its value and what is allowed, unless ok."""
+    if not ok:
+        raise ValueError(f"{name}={value!r:.80} is invalid: it must be {allowed}")
+
+
+SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too
-    top_p: float = 1.0          # nucleus sampling: keep the smallest set of tokens whose mass reaches top_p
-    top_k: int = -1             # keep the k most likely tokens; -1 keeps all
+    """How one request samples, as vLLM's SamplingParams (these fields only). Checked when made: a wrong
+    type raises TypeError, a wrong value ValueError, each naming the field, its value and what is allowed.
+    "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the vocabulary (vLLM clamps it too);
+    top_p 1.0. Token ids >= the vocabulary (stop_token_ids) are refused by Engine.add_request, which
+    knows the model."""
+    temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too. Finite: inf is refused, as in vLLM
+    top_p: float = 1.0          # nucleus sampling: keep the smallest set of tokens whose mass reaches top_p;
+                                # in (0, 1], 1 keeps all
+    top_k: int = -1             # keep the k most likely tokens; -1 or 0 keep all (vLLM: both mean off)
     max_tokens: int = 16        # vLLM's default
-    seed: int | None = None     # per-request seed: the same tokens whatever else is in the batch
-    stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos)
+    seed: int | None = None     # per-request seed: the same tokens whatever else is in the batch (int64)
+    stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos); None: none
     ignore_eos: bool = False    # keep going past eos (benchmarks)
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} is invalid: it must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} is invalid: it must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1 or int(self.top_k) != self.top_k:
-            raise ValueError(f"top_k={self.top_k} is invalid: it must be -1 (off) or an integer >= 1")
-        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} is invalid: it must be an integer >= 1")
-        if self.seed is not None and int(self.seed) != self.seed:
-            raise ValueError(f"seed={self.seed} is invalid: it must be an integer or None")
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"),
+                           ("max_tokens", "int"), ("ignore_eos", "bool")):
+            check_type(name, getattr(self, name), kind)
+        check_type("seed", self.seed, "int", optional=True)
+        check_type("stop_token_ids", self.stop_token_ids, "ints", optional=True)
+        require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+                "a finite number >= 0 (0 means greedy)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1 keeps all tokens)")
+        require(self.top_k >= -1, "top_k", self.top_k, "an integer >= 1, or -1 or 0 (off)")
+        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        require(self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed,
+                "None or an integer in [-2**63, 2**63)")
+        stop = tuple(int(t) for t in self.stop_token_ids or ())
+        require(all(t >= 0 for t in stop), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
+        # numpy scalars become Python's: the scheduler and the runner read plain ints and floats
+        self.temperature, self.top_p, self.top_k = float(self.temperature), float(self.top_p), int(self.top_k)
+        self.max_tokens, self.ignore_eos, self.stop_token_ids = int(self.max_tokens), bool(self.ignore_eos), stop
+        self.seed = None if self.seed is None else int(self.seed)
 
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -704,11 +753,15 @@ class Scheduler:
         return finished
 
     def finish(self, req: Request, reason: str):
+        """End a request between steps (an abort). Its tokens still in flight (async: PLACEHOLDERs) are
+        dropped, never read back: fill() skips them when they land."""
         if req.status == RUNNING:
-            self._drop_steady()  # the running set changes
+            self._drop_steady()  # the running set changes (and req gets back the tokens the set held)
             self.running.remove(req)
         elif req.status == WAITING:
             self.waiting.remove(req)
+        while req.pending:
+            req.token_ids.pop()
         self.blocks.release([req])
         self._retire(req, reason)
 

@@ -210,8 +210,13 @@ def ref_greedy(state: dict, config: dict, prompt: list[int], max_tokens: int) ->
 
 
 def to_v5_config(config: dict) -> dict:
-    """Move rope_theta / rope_scaling into rope_parameters, as transformers 5 writes it."""
+    """The config as transformers 5.x writes it: rope_theta / rope_scaling moved into rope_parameters,
+    Qwen3-MoE's num_experts named num_local_experts (Qwen3MoeConfig.attribute_map), torch_dtype named dtype."""
     cfg = dict(config)
+    if "num_experts" in cfg:
+        cfg["num_local_experts"] = cfg.pop("num_experts")
+    if "torch_dtype" in cfg:
+        cfg["dtype"] = cfg.pop("torch_dtype")
     params = dict(cfg.pop("rope_scaling", None) or {})
     if "type" in params:
         params["rope_type"] = params.pop("type")
@@ -514,7 +519,7 @@ def test_stops_on_eos_stop_ids_and_max_len(ckpt_dirs):
 
 
 @pytest.mark.parametrize("arch,tie,shards", [("qwen3", True, 1), ("qwen3", False, 3), ("llama", True, 2),
-                                             ("qwen2", False, 1)])
+                                             ("qwen2", False, 1), ("qwen3_moe", False, 2)])
 def test_safetensors_round_trip(tmp_path, arch, tie, shards):
     cfg, sd = checkpoint(arch, tie=tie, seed=7)
     assert ("lm_head.weight" in sd) != tie
@@ -522,9 +527,12 @@ def test_safetensors_round_trip(tmp_path, arch, tie, shards):
     prompts = mixed_prompts(3, cfg["vocab_size"], seed=8)
     outs = LLM(model=folder).generate(prompts, greedy(6))
     assert [o.token_ids for o in outs] == [ref_greedy(sd, cfg, p, 6) for p in prompts]
-    # transformers 5.x writes rope settings as rope_parameters: same model, same tokens
-    folder5 = save_checkpoint(tmp_path / "ck5", to_v5_config(cfg), sd, shards=shards)
-    assert [o.token_ids for o in LLM(model=folder5).generate(prompts, greedy(6))] == [o.token_ids for o in outs]
+    # transformers 5.x's config.json (renamed fields, rope_parameters): the same model, the same tokens
+    v5 = to_v5_config(cfg)
+    assert nanoengine.ModelConfig.from_hf(v5) == nanoengine.ModelConfig.from_hf(cfg)
+    llm5 = LLM(model=save_checkpoint(tmp_path / "ck5", v5, sd, shards=shards))
+    assert llm5.engine.model.config.num_experts == cfg.get("num_experts", 0)  # a MoE loads as one
+    assert [o.token_ids for o in llm5.generate(prompts, greedy(6))] == [o.token_ids for o in outs]
 
 
 def test_string_prompts_with_a_tokenizer(tmp_path, ckpt_dirs):
@@ -536,8 +544,10 @@ def test_string_prompts_with_a_tokenizer(tmp_path, ckpt_dirs):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
     tok.save(os.path.join(folder, "tokenizer.json"))
     llm = LLM(model=folder)
-    text_out, ids_out = llm.generate(["hello", [7, 4, 11, 11, 14]], greedy(4))
-    assert text_out.prompt_token_ids == [7, 4, 11, 11, 14] and text_out.token_ids == ids_out.token_ids
+    ids = [7, 4, 11, 11, 14]
+    text_out, ids_out, np_out = llm.generate(["hello", ids, np.array(ids)], greedy(4))  # numpy ids are ints too
+    assert text_out.prompt_token_ids == ids == np_out.prompt_token_ids
+    assert text_out.token_ids == ids_out.token_ids == np_out.token_ids
     assert isinstance(text_out.text, str)
 
 
@@ -570,6 +580,11 @@ def test_top_k_1_equals_greedy_and_filters_apply():
     k1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, seed=3,
                                                                      max_tokens=8, ignore_eos=True))]
     assert k1 == g
+    # vLLM's "no limit" values, -1, 0 and any k past the vocabulary, keep every token: the same draws
+    off = [[o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=1.0, top_k=k, seed=3,
+                                                                      max_tokens=8, ignore_eos=True))]
+           for k in (-1, 0, 4096, 10**30)]
+    assert off[1:] == off[:1] * 3 and off[0] != g
     # the sampler itself: top-k keeps only the k best, top-p only the nucleus, temperature 0 is argmax
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     s = nanoengine.SamplingBatch(temperature=torch.tensor([1.0, 1.0, 0.0]), top_k=torch.tensor([3, 50, 50]),
@@ -654,34 +669,159 @@ def test_seeded_noise_is_uniform():
 
 
 # ==========================================================================================================
-# Bad input: a ValueError naming the argument and value, and the engine keeps serving
+# Bad input: a ValueError (TypeError for a wrong type) naming the argument, its value and what is allowed,
+# and the engine keeps serving
 # ==========================================================================================================
 
+EngineConfig = nanoengine.EngineConfig
 
-def test_bad_requests_leave_the_engine_serving():
-    engine = Engine(model="tiny", num_blocks=4)  # 64 tokens of KV
-    bad = [
-        (([], None), "prompt is empty"),
-        (([1, 99999], None), "99999 is outside the vocabulary"),
-        (([1] * 3000, None), "max_model_len"),
-        (([1] * 30, SamplingParams(max_tokens=100)), "whole cache holds 64"),
-        (("hello", None), "no tokenizer"),
-    ]
-    for (prompt, sp), msg in bad:
-        with pytest.raises(ValueError, match=msg):
-            engine.add_request(prompt, sp)
-    for kw, msg in [(dict(max_tokens=0), "max_tokens=0"), (dict(temperature=-1), "temperature=-1"),
-                    (dict(top_p=0), "top_p=0"), (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=0), "top_k=0"),
-                    (dict(top_k=-2), "top_k=-2")]:
-        with pytest.raises(ValueError, match=msg):
-            SamplingParams(**kw)
-    good = run(engine, [[1, 2, 3]], greedy(4))
-    assert len(good[0].token_ids) == 4
-    llm = LLM("tiny")
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        llm.generate([[1, 2], [5, 10**6]], greedy(2))
-    assert len(llm.generate([[1, 2]], greedy(2))[0].token_ids) == 2  # the good prompt was not left behind
-    check_clean(llm.engine)
+# (what, a call that must raise, the exception, a fragment of its message). A call gets the `serving`
+# fixture: its LLM (whose engine has the good requests in flight) and broken checkpoint folders.
+BAD_INPUT = [
+    # prompts: Engine.add_request and LLM.generate
+    ("empty prompt", lambda s: s.engine.add_request([]), ValueError, "prompt is empty"),
+    ("id past the vocabulary", lambda s: s.engine.add_request([1, 99999]), ValueError,
+     "prompt token id 99999 is outside the vocabulary: ids must be in [0, 4096)"),
+    ("negative id", lambda s: s.engine.add_request([-1]), ValueError, "prompt token id -1 is outside"),
+    ("prompt past max_model_len", lambda s: s.engine.add_request([1] * 3000), ValueError,
+     "prompt has 3000 tokens; max_model_len=2048"),
+    ("more KV than the cache", lambda s: s.engine.add_request([1] * 30, SamplingParams(max_tokens=300)),
+     ValueError, "the whole cache holds 256"),
+    ("text without a tokenizer", lambda s: s.engine.add_request("hello"), ValueError, "no tokenizer"),
+    ("float id", lambda s: s.engine.add_request([1, 2.0]), TypeError,
+     "prompt[1]=2.0 has type float: token ids must be integers"),
+    ("str id", lambda s: s.engine.add_request([1, "2"]), TypeError, "prompt[1]='2' has type str"),
+    ("None id", lambda s: s.engine.add_request([None]), TypeError, "prompt[0]=None has type NoneType"),
+    ("bool id", lambda s: s.engine.add_request([1, True]), TypeError, "prompt[1]=True has type bool"),
+    ("float numpy ids", lambda s: s.engine.add_request(np.array([1.0, 2.0])), TypeError,
+     "prompt[0]=1.0 has type float"),
+    ("prompt an int", lambda s: s.engine.add_request(5), TypeError,
+     "prompt=5 has type int: give a string or a list of token ids"),
+    ("prompt None", lambda s: s.engine.add_request(None), TypeError, "prompt=None has type NoneType"),
+    ("request_id an int", lambda s: s.engine.add_request([1], None, 7), TypeError,
+     "request_id=7 has type int: it must be a string or None"),
+    ("request_id in use", lambda s: s.engine.add_request([1], None, "good0"), ValueError,
+     "request_id='good0' is already in use"),
+    ("params a string", lambda s: s.engine.add_request([1], "greedy"), TypeError,
+     "params='greedy' has type str: give a SamplingParams, or None"),
+    ("stop id past the vocabulary", lambda s: s.engine.add_request([1], SamplingParams(stop_token_ids=[4096])),
+     ValueError, "stop_token_ids has 4096, outside the vocabulary"),
+    ("generate: sampling_params a string", lambda s: s.llm.generate([[1]], "greedy"), TypeError,
+     "sampling_params='greedy' has type str"),
+    ("generate: one of the params a dict", lambda s: s.llm.generate([[1], [2]], [greedy(2), {"temperature": 0}]),
+     TypeError, "sampling_params[1]={'temperature': 0} has type dict"),
+    ("generate: params per prompt", lambda s: s.llm.generate([[1], [2]], [greedy(2)] * 3), ValueError,
+     "sampling_params has 3 entries for 2 prompts"),
+    ("generate: a bad prompt after good ones", lambda s: s.llm.generate([[1, 2], [3], [5, 10**6]], greedy(2)),
+     ValueError, "prompts[2]: prompt token id 1000000 is outside the vocabulary"),
+    ("generate: float ids", lambda s: s.llm.generate([1, 2.5]), TypeError, "prompts[0]: prompt[1]=2.5"),
+    ("generate: prompts None", lambda s: s.llm.generate(None), TypeError, "prompts=None has type NoneType"),
+    ("abort: a list of ids", lambda s: s.engine.abort(["good0"]), TypeError, "request_id=['good0'] has type list"),
+    # SamplingParams (vLLM: a finite temperature, top_k -1 or 0 for off, integer ids)
+    ("temperature inf", lambda s: SamplingParams(temperature=math.inf), ValueError,
+     "temperature=inf is invalid: it must be a finite number >= 0"),
+    ("temperature nan", lambda s: SamplingParams(temperature=math.nan), ValueError, "temperature=nan"),
+    ("temperature negative", lambda s: SamplingParams(temperature=-1), ValueError, "temperature=-1"),
+    ("temperature a string", lambda s: SamplingParams(temperature="0.5"), TypeError,
+     "temperature='0.5' has type str: it must be a number"),
+    ("top_p nan", lambda s: SamplingParams(top_p=math.nan), ValueError, "top_p=nan is invalid: it must be in (0, 1]"),
+    ("top_p 0", lambda s: SamplingParams(top_p=0), ValueError, "top_p=0"),
+    ("top_p above 1", lambda s: SamplingParams(top_p=1.5), ValueError, "top_p=1.5"),
+    ("top_k below -1", lambda s: SamplingParams(top_k=-2), ValueError,
+     "top_k=-2 is invalid: it must be an integer >= 1, or -1 or 0 (off)"),
+    ("top_k a float", lambda s: SamplingParams(top_k=5.0), TypeError, "top_k=5.0 has type float"),
+    ("max_tokens 0", lambda s: SamplingParams(max_tokens=0), ValueError, "max_tokens=0"),
+    ("max_tokens a float", lambda s: SamplingParams(max_tokens=8.0), TypeError, "max_tokens=8.0 has type float"),
+    ("seed a string", lambda s: SamplingParams(seed="abc"), TypeError,
+     "seed='abc' has type str: it must be an integer or None"),
+    ("seed past int64", lambda s: SamplingParams(seed=2**64), ValueError, "seed=18446744073709551616 is invalid"),
+    ("negative stop id", lambda s: SamplingParams(stop_token_ids=[-5]), ValueError, "stop_token_ids=[-5] is invalid"),
+    ("stop ids an int", lambda s: SamplingParams(stop_token_ids=5), TypeError,
+     "stop_token_ids=5 has type int: it must be a list of integers"),
+    ("float stop ids", lambda s: SamplingParams(stop_token_ids=[2.0]), TypeError, "stop_token_ids=[2.0]"),
+    ("ignore_eos a string", lambda s: SamplingParams(ignore_eos="no"), TypeError,
+     "ignore_eos='no' has type str: it must be True or False"),
+    # LLM / Engine settings (EngineConfig)
+    ("block_size 3", lambda s: EngineConfig(block_size=3), ValueError, "block_size=3 is invalid: it must be a power"),
+    ("block_size a float", lambda s: EngineConfig(block_size=16.0), TypeError, "block_size=16.0 has type float"),
+    ("num_blocks 0", lambda s: EngineConfig(num_blocks=0), ValueError, "num_blocks=0 is invalid"),
+    ("gpu_memory_utilization nan", lambda s: EngineConfig(gpu_memory_utilization=math.nan), ValueError,
+     "gpu_memory_utilization=nan is invalid: it must be in (0, 1]"),
+    ("max_num_seqs 0", lambda s: EngineConfig(max_num_seqs=0), ValueError, "max_num_seqs=0 is invalid"),
+    ("max_num_batched_tokens -1", lambda s: EngineConfig(max_num_batched_tokens=-1), ValueError,
+     "max_num_batched_tokens=-1 is invalid"),
+    ("max_model_len 0", lambda s: EngineConfig(max_model_len=0), ValueError, "max_model_len=0 is invalid"),
+    ("max_model_len past the model", lambda s: LLM("tiny", max_model_len=10**6), ValueError,
+     "max_model_len=1000000 exceeds the model's max_position_embeddings=2048"),
+    ("seed a string", lambda s: EngineConfig(seed="abc"), TypeError, "seed='abc' has type str"),
+    ("device tpu", lambda s: EngineConfig(device="tpu"), ValueError,
+     "device='tpu' is invalid: it must be 'cpu', 'cuda' or 'cuda:N'"),
+    ("device cuda:99", lambda s: EngineConfig(device="cuda:99"), ValueError, "device='cuda:99'"),
+    ("dtype int8", lambda s: EngineConfig(dtype="int8"), ValueError, "dtype='int8' is invalid"),
+    ("model None", lambda s: LLM(None), TypeError, "model=None has type NoneType: it must be a string"),
+    ("model missing", lambda s: LLM("/no/such/folder"), ValueError, "neither a folder nor a preset"),
+    ("fuse a string", lambda s: EngineConfig(fuse="yes"), TypeError, "fuse='yes' has type str: it must be True"),
+    ("async_scheduling 1", lambda s: EngineConfig(async_scheduling=1), TypeError, "async_scheduling=1 has type int"),
+    ("triton_linear_rows 257", lambda s: EngineConfig(triton_linear_rows=257), ValueError,
+     "triton_linear_rows=257 is invalid: it must be in [0, 256]"),
+    ("graph_buckets 0", lambda s: EngineConfig(graph_buckets=(0, 8)), ValueError, "graph_buckets=(0, 8) is invalid"),
+    ("graph_buckets an int", lambda s: EngineConfig(graph_buckets=8), TypeError, "graph_buckets=8 has type int"),
+    ("an unknown setting", lambda s: LLM("tiny", max_seqs=4), TypeError, "max_seqs"),
+    ("Engine given a model name", lambda s: nanoengine.Engine("tiny"), TypeError,
+     "cfg='tiny' has type str: give an EngineConfig"),
+    # checkpoints
+    ("truncated model.safetensors", lambda s: LLM(s.truncated), ValueError,
+     "model.safetensors is not a readable safetensors file (Error while deserializing header"),
+    ("a shard missing", lambda s: LLM(s.shard_missing), ValueError,
+     "model-00002-of-00002.safetensors is not a readable safetensors file"),
+    ("index not JSON", lambda s: LLM(s.bad_index), ValueError, "model.safetensors.index.json is unreadable"),
+]
+
+GOOD_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20]
+GOOD_PARAMS = [greedy(6), SamplingParams(temperature=0.8, top_k=50, seed=5, max_tokens=6, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_p=0.9, seed=6, max_tokens=6, ignore_eos=True)]
+
+
+def _serve_good_requests(engine, bad_call=lambda: None) -> dict:
+    """The good requests, added and one step in (so some hold KV) before bad_call; run to the end."""
+    ids = [engine.add_request(p, sp, request_id=f"good{i}")
+           for i, (p, sp) in enumerate(zip(GOOD_PROMPTS, GOOD_PARAMS))]
+    done = {o.request_id: o.token_ids for o in engine.step()}
+    bad_call()
+    assert set(engine.scheduler.requests) <= set(ids), "the bad call left a request in the engine"
+    while engine.has_unfinished():
+        done.update((o.request_id, o.token_ids) for o in engine.step())
+    return done
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory, ckpt_dirs):
+    llm = LLM("tiny", num_blocks=16)  # 256 tokens of KV
+    cfg, sd, _ = ckpt_dirs["qwen3"]
+    root = tmp_path_factory.mktemp("broken")
+    truncated = save_checkpoint(root / "truncated", cfg, sd)
+    path = os.path.join(truncated, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)  # as a download cut short
+    shard_missing = save_checkpoint(root / "shard_missing", cfg, sd, shards=2)
+    os.remove(os.path.join(shard_missing, "model-00002-of-00002.safetensors"))
+    bad_index = save_checkpoint(root / "bad_index", cfg, sd, shards=2)
+    with open(os.path.join(bad_index, "model.safetensors.index.json"), "w") as f:
+        f.write("{not json")
+    return SimpleNamespace(llm=llm, engine=llm.engine, truncated=truncated, shard_missing=shard_missing,
+                           bad_index=bad_index, want=_serve_good_requests(llm.engine))
+
+
+@pytest.mark.parametrize("what,call,error,msg", BAD_INPUT, ids=[row[0] for row in BAD_INPUT])
+def test_bad_input_raises_one_clear_error_and_the_engine_keeps_serving(serving, what, call, error, msg):
+    """Each bad input raises its own exception type with a message naming the argument, its value and what
+    is allowed; the requests already in the engine finish with the tokens of a run without it."""
+    def bad_call():
+        with pytest.raises(error) as e:
+            call(serving)
+        assert msg in str(e.value), f"{what}: {e.value}"
+    assert _serve_good_requests(serving.engine, bad_call) == serving.want
+    check_clean(serving.engine)
 
 
 def test_bad_models_are_refused(tmp_path, ckpt_dirs):
@@ -696,7 +836,10 @@ def test_bad_models_are_refused(tmp_path, ckpt_dirs):
              (dict(cfg, architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
              (dict(cfg, rope_scaling=dict(rope_type="yarn", factor=4.0)), "'yarn'"),
              (dict(cfg, quantization_config=dict(quant_method="gptq")), "gptq"),
-             (dict(cfg, use_sliding_window=True), "use_sliding_window")]
+             (dict(cfg, use_sliding_window=True), "use_sliding_window"),
+             (dict(cfg, vocab_size="256"), "vocab_size='256' is invalid: it must be an integer >= 1"),
+             (dict(cfg, architectures=["Qwen3MoeForCausalLM"]),  # a MoE with no expert count, in either layout
+              r"required field 'num_experts' \(transformers 5\.x: 'num_local_experts'\) is missing")]
     for i, (bad_cfg, msg) in enumerate(cases):
         with pytest.raises(ValueError, match=msg):
             Engine(model=save_checkpoint(tmp_path / f"bad{i}", bad_cfg, sd))
@@ -1006,6 +1149,42 @@ def test_async_placeholder_input_comes_from_the_device():
 
 
 
+@pytest.mark.parametrize("use_async", [False, True])
+def test_aborted_requests_come_back_once(use_async):
+    """As in vLLM: an aborted request is returned once, by the next step, with finish_reason "abort" and the
+    tokens it had; its blocks go back once; the others' tokens are those of a run without it. Aborted: one
+    still waiting, and one running (async: with its step in flight, whose token is dropped)."""
+    prompts = mixed_prompts(4, 4096, seed=21)
+    keep = run(Engine(model="tiny"), prompts[:2], greedy(12))  # the two that are never aborted
+    alone = run(Engine(model="tiny"), prompts[2:3], greedy(12))[0].token_ids  # the running one, not aborted
+    engine = Engine(model="tiny", max_num_seqs=3)  # the fourth request waits while three run
+    ids = [engine.add_request(p, greedy(12)) for p in prompts]
+    step = engine.step_async if use_async else engine.step
+    outs = {rid: [] for rid in ids}
+    for n in range(1, 100):
+        for o in step():
+            outs[o.request_id].append(o)
+        if n == 1:
+            assert engine.scheduler.requests[ids[3]].status == "waiting"
+            engine.abort(ids[3])
+        if n == 4:  # three steady decodes after the prefill
+            req = engine.scheduler.requests[ids[2]]
+            assert req.status == "running" and (engine.inflight is not None) == use_async
+            engine.abort(ids[2])
+            engine.abort(ids[2])  # aborted already: a no-op, as an unknown id
+            engine.abort("no such request")
+        if not engine.has_unfinished():
+            break
+    had = 4 - use_async  # async: the fourth step's token was in flight, never read back
+    for i, want in ((3, []), (2, alone[:had])):
+        [o] = outs[ids[i]]
+        assert (o.finish_reason, o.finished, o.token_ids, o.prompt_token_ids) == ("abort", True, want, prompts[i])
+    assert [[o.token_ids for o in outs[rid]] for rid in ids[:2]] == [[o.token_ids] for o in keep]
+    engine.abort(ids[0])  # finished: a no-op
+    assert not engine.has_unfinished() and engine.step() == []
+    check_clean(engine)
+
+
 def _staged(x):
     """A Batch or SamplingBatch as plain values, to compare what two runners staged."""
     return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in vars(x).items()}
@@ -1182,8 +1361,16 @@ def test_profile_summary_splits_idle_time(tmp_path):
     (["overhead", "--requests", "0"], "--requests"),
     (["overhead", "--configs", "turbo"], "turbo"),
     (["kernels"], "needs a CUDA device"),
+    (["generate", "--prompt-ids", "1", "--temperature", "inf"], "temperature=inf is invalid"),
+    (["bench", "--min-len", "50", "--max-len", "10"], "--min-len 50 is more than --max-len 10"),
+    (["generate", "--model", "{truncated}", "--prompt-ids", "1"], "model.safetensors is not a readable safetensors"),
 ])
-def test_cli_bad_input_is_one_line(args, msg):
+def test_cli_bad_input_is_one_line(tmp_path, args, msg):
+    if "{truncated}" in args:  # a checkpoint whose download was cut short
+        path = os.path.join(save_checkpoint(tmp_path, *checkpoint("qwen3")), "model.safetensors")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        args = [str(tmp_path) if x == "{truncated}" else x for x in args]
     r = cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, r.stderr
