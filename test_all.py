@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphs
 import kernels
@@ -1757,6 +1758,48 @@ def _check_decode_attention(monkeypatch, with_norm, h, hkv, seq_lens, one_launch
 def test_kernel_paged_attention_all_padding():
     out = _check_attention([1, 1], [0, 0], h=2, hkv=1, d=16, page=4, max_blocks=3, seed=26, num_splits=2)
     assert out.abs().max() == 0
+
+
+def test_kernel_paged_attention_ref_in_small_chunks(monkeypatch):
+    """The reference cut into chunks of 3 queries, one chunk at a time, against the kernel: chunk edges
+    inside prompts, decode rows, a padding row (seq_len 0) and a request with no new token."""
+    monkeypatch.setattr(kernels, "ATTN_REF_QUERY_CHUNK", 3)
+    monkeypatch.setattr(kernels, "ATTN_REF_ELEMENTS", 1)
+    _check_attention([5, 3, 1, 0, 1, 7], [5, 70, 19, 4, 0, 130], h=4, hkv=2, d=32, page=4, max_blocks=34, seed=30)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op made while active: a peak-memory gauge that works on the CPU,
+    where torch keeps no allocator statistics (every op's outputs pass through here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_attention_ref_memory_does_not_grow_with_the_square_of_a_long_prompt():
+    """A 4,096-token prompt: its whole score matrix is 4 heads x 4,096 x 4,096 = 67M elements, which
+    `run.py bench` on the CPU (16,384 tokens a step) once built at tens of GB. The reference's tensors stay
+    within ATTN_REF_ELEMENTS (16M), and its rows are still right on either side of a chunk's edge."""
+    n, h, hkv, d = 4096, 4, 2, 16
+    q, tensors = _attention_case([n], [n], h, hkv, d, page=16, max_blocks=n // 16, seed=31)
+    gauge = LargestTensor()
+    with gauge:
+        out = kernels.paged_attention_ref(q, *tensors, d**-0.5, n)
+    assert gauge.largest <= kernels.ATTN_REF_ELEMENTS < h * n * n, gauge.largest
+    k_cache, v_cache, _, _, block_table = tensors
+    k, v = (c[block_table[0].long()].reshape(n, hkv, d).repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+            for c in (k_cache, v_cache))
+    for i in (0, 63, 64, 2500, n - 1):  # query i sees keys 0..i
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k[:i + 1]) * d**-0.5, dim=-1)
+        torch.testing.assert_close(out[i], torch.einsum("hl,lhd->hd", p, v[:i + 1]), atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------
