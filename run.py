@@ -11,7 +11,6 @@ Imports nanoengine (and, for `kernels`, kernels.py).
 """
 import argparse
 import collections
-import gc
 import itertools
 import json
 import os
@@ -104,8 +103,7 @@ def cmd_overhead(a):
             rec["same_as_fused"] = r["outputs"] == fused_reference  # configs must still agree exactly
         records.append(rec)
         print(json.dumps(rec), file=sys.stderr, flush=True)  # progress, in case the run is cut short
-        del engine
-        free_memory()
+        engine.close()  # its KV cache and graphs go before the next configuration sizes its own
     for rec in [header] + records:  # the header carries the graphs' capture cost, known only now
         emit(rec)
 
@@ -141,14 +139,6 @@ def run_engine(engine: Engine, prompts, params) -> dict:
     st = engine.stats
     return dict(outputs=[done[i].token_ids for i in ids], wall=time.perf_counter() - t0, steps=st.steps,
                 host_s=st.host_s, gpu_s=st.gpu_seconds(), decode_tokens=st.tokens)
-
-
-def free_memory():
-    """Give a dropped engine's GPU memory back now (its KV cache takes most of the card): its graphs and
-    modules hold reference cycles, which only the cycle collector frees."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def sync(engine: Engine):
@@ -271,8 +261,7 @@ def cmd_profile(a):
         emit(dict(config=name, requests=a.requests, trace=path, **trace_summary(path, a.steps, cuda)))
         while engine.has_unfinished():
             step()
-        del engine, step  # the bound method holds the engine too
-        free_memory()
+        engine.close()
 
 
 def trace_summary(path: str, steps: int, cuda: bool) -> dict:

@@ -17,8 +17,11 @@ import ast
 import json
 import math
 import random
+import gc
 import subprocess
 import sys
+import textwrap
+import weakref
 from functools import partial
 from types import SimpleNamespace
 
@@ -706,6 +709,50 @@ def test_bad_models_are_refused(tmp_path, ckpt_dirs):
 
 
 # ==========================================================================================================
+# Engines come and go: close(), `with`, and refcount alone give their memory back
+# ==========================================================================================================
+
+
+def test_close_frees_the_engine_and_later_use_is_a_clear_error():
+    with LLM("tiny") as llm:
+        assert len(llm.generate([[1, 2, 3]], greedy(4))[0].token_ids) == 4
+        kv_cache, weights = weakref.ref(llm.engine.runner.kv_cache), weakref.ref(llm.engine.model)
+    # llm still holds the engine, and close() let go of its memory anyway
+    assert kv_cache() is None and weights() is None, "close() left the KV cache or the weights alive"
+    engine = llm.engine
+    for use in (lambda: llm.generate([[1, 2]], greedy(2)), lambda: engine.add_request([1, 2]), engine.step,
+                engine.step_async, engine.has_unfinished, lambda: engine.abort("0")):
+        with pytest.raises(ValueError, match="engine is closed"):
+            use()
+    llm.close()  # a second close does nothing
+    with Engine(model="tiny", async_scheduling=True) as engine:
+        engine.add_request([1, 2, 3], greedy(3))
+        engine.step_async()  # leaves a step in flight: close() must wait for it, not crash
+    with pytest.raises(ValueError, match="engine is closed"):
+        engine.step_async()
+
+
+def test_a_dropped_engine_is_freed_by_refcount_alone():
+    """A fresh process, as a notebook's first engine, with the cycle collector off: each engine, and its KV
+    cache, is gone right after `del`. A reference cycle through the engine keeps it alive here."""
+    script = textwrap.dedent("""
+        import gc, weakref
+        gc.disable()
+        import nanoengine
+        for settings in ({}, {"async_scheduling": True}, {"fuse": False}, {"enforce_eager": False}):
+            llm = nanoengine.LLM("tiny", device="cpu", **settings)
+            llm.generate([[1, 2, 3]] * 3, nanoengine.SamplingParams(max_tokens=4))
+            engine, kv_cache = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+            del llm
+            assert engine() is None and kv_cache() is None, f"{settings}: the engine outlived its last reference"
+        print("freed")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=HERE,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode == 0 and r.stdout.strip() == "freed", r.stderr[-2000:]
+
+
+# ==========================================================================================================
 # Fusion
 # ==========================================================================================================
 
@@ -1246,6 +1293,30 @@ def test_gpu_replays_allocate_nothing():
     m0 = torch.cuda.memory_allocated()
     run(engine, mixed_prompts(16, 4096, seed=20), greedy(30))
     assert torch.cuda.memory_allocated() <= m0 + (1 << 20), "memory grew across many steps"
+
+
+@needs_cuda
+def test_gpu_default_engines_one_after_another_get_the_same_kv_cache():
+    """Default settings (90% of the GPU, graphs): one dropped with `del`, one closed by `with`, one by
+    close(); each gets as many KV blocks as the first and generates the same tokens."""
+    prompts, params = mixed_prompts(3, 4096, seed=21), greedy(8)
+    gc.disable()  # the first must go by refcount alone
+    try:
+        llm = nanoengine.LLM("tiny", device="cuda")
+        blocks = llm.engine.scheduler.blocks.num_blocks
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        kv_cache = weakref.ref(llm.engine.runner.kv_cache)
+        del llm
+        assert kv_cache() is None, "the dropped engine's KV cache outlived it"
+    finally:
+        gc.enable()
+    with nanoengine.LLM("tiny", device="cuda") as llm:
+        assert llm.engine.scheduler.blocks.num_blocks == blocks
+        assert [o.token_ids for o in llm.generate(prompts, params)] == tokens
+    llm = nanoengine.LLM("tiny", device="cuda")
+    assert llm.engine.scheduler.blocks.num_blocks == blocks
+    assert [o.token_ids for o in llm.generate(prompts, params)] == tokens
+    llm.close()
 
 
 @needs_cuda
