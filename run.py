@@ -6,7 +6,9 @@
     python run.py profile --requests 64           # Chrome traces of a few decode steps per configuration
     python run.py kernels                         # each Triton kernel against its torch reference (CUDA)
 
-Bad input prints one line naming the problem and exits with status 2.
+Bad input prints one line naming the problem and exits with status 2. Progress goes to stderr. On the CPU
+the defaults are smaller where a command would take long (bench), and each command's --help says how long
+it takes there.
 Imports nanoengine (and, for `kernels`, kernels.py).
 """
 import argparse
@@ -26,6 +28,12 @@ from nanoengine import PRESETS, Engine, EngineConfig, SamplingParams, param_byte
 
 BANDWIDTH = 4.27e12  # bytes/s: the H200's measured device-to-device copy rate (../shared/GPU.md)
 
+# `run.py bench`'s defaults, (CUDA, CPU): nano-vllm's protocol on CUDA; on the CPU, where the torch
+# reference attention reads every request's whole context each step, fewer and shorter requests, so that
+# the run takes a minute or two on a 2-core laptop, not hours.
+BENCH_DEFAULTS = dict(num_requests=(256, 64), min_len=(100, 16), max_len=(1024, 128))
+PROGRESS_S = 5.0  # seconds between bench's progress lines
+
 # name -> engine settings. Graph configurations need CUDA; on the CPU they are skipped.
 CONFIGS = {
     "eager": dict(fuse=False, enforce_eager=True),
@@ -39,6 +47,26 @@ CONFIGS = {
 def emit(record: dict):
     """One JSON line per record: easy to read, easy to grep, easy to paste into a table."""
     print(json.dumps(record), flush=True)
+
+
+def note(text: str):
+    """Progress for whoever watches, on stderr: stdout carries the results only."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def make_engine(label: str, **settings) -> Engine:
+    """Engine(EngineConfig(**settings)), with a line before and after: building takes a while with a big
+    model, and on CUDA it captures a graph per batch size."""
+    cfg = EngineConfig(**settings)
+    graphs = " and its CUDA graphs" if cfg.device.startswith("cuda") and not cfg.enforce_eager else ""
+    note(f"{label}: building the engine{graphs} ({cfg.model}, {cfg.device}) ...")
+    t0 = time.perf_counter()
+    engine = Engine(cfg)
+    g = engine.runner.graphs
+    captured = f", {len(g.graphs)} graphs in {g.capture_seconds:.1f} s" if g is not None and g.graphs else ""
+    note(f"{label}: ready in {time.perf_counter() - t0:.1f} s ({engine.scheduler.blocks.num_blocks} KV blocks"
+         f"{captured})")
+    return engine
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -77,9 +105,9 @@ def cmd_overhead(a):
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     header, records, reference, fused_reference = None, [], None, None
     for name in names:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        engine = Engine(EngineConfig(**base, **CONFIGS[name]))
+        engine = make_engine(name, **base, **CONFIGS[name])
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
+        note(f"{name}: warm-up, then {a.requests} requests x {a.new_tokens} tokens ...")
         run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=3))  # warm up: compile, allocate
         r = run_engine(engine, prompts, params)
         header = header or overhead_header(engine, a, device)
@@ -157,6 +185,7 @@ def cmd_generate(a):
             raise ValueError(f"--prompt-ids {a.prompt_ids!r} is invalid: give comma-separated integers") from None
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)
+    # No progress lines: the command is short, and bad input (a model, a prompt) prints its one line alone
     engine = Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager,
                                  triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows))
     engine.add_request(prompt, params)
@@ -174,10 +203,15 @@ def cmd_generate(a):
 def cmd_bench(a):
     """nano-vllm's offline protocol: random prompt and output lengths in [min_len, max_len], ignore_eos."""
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                                 async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
-                                 max_num_batched_tokens=a.max_num_batched_tokens,
-                                 triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows))
+    for name, (on_cuda, on_cpu) in BENCH_DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, on_cuda if device.startswith("cuda") else on_cpu)
+    if a.min_len > a.max_len:
+        raise ValueError(f"--min-len {a.min_len} is more than --max-len {a.max_len}")
+    engine = make_engine("bench", model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
+                         async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
+                         max_num_batched_tokens=a.max_num_batched_tokens,
+                         triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows)
     rng = random.Random(a.seed)
     vocab = engine.model.config.vocab_size
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(a.min_len, a.max_len))],
@@ -191,24 +225,28 @@ def cmd_bench(a):
     # with a full batch of equal short prompts (H200).
     warm_rng = random.Random(a.seed + 1)
     warm = [[warm_rng.randrange(vocab) for _ in range(len(p))] for p, _ in reqs]
+    prompt_tokens, planned = sum(len(p) for p, _ in reqs), sum(sp.max_tokens for _, sp in reqs)
+    note(f"bench: warm-up, {len(warm)} prompts ({prompt_tokens} tokens) x 8 new tokens ...")
+    t0 = time.perf_counter()
     run_engine(engine, warm, SamplingParams(temperature=0.6, seed=0, max_tokens=8, ignore_eos=True))
+    note(f"bench: warm-up took {time.perf_counter() - t0:.1f} s; timed run, {a.num_requests} requests, "
+         f"{prompt_tokens} prompt + {planned} output tokens ...")
     engine.stats.reset()
     engine.stats.gpu_timing = True  # device time per step: how much of the run the GPU was busy
     for p, sp in reqs:
         engine.add_request(p, sp)
     step = engine.step_async if engine.cfg.async_scheduling else engine.step
-    out_tokens, t0, last = 0, time.perf_counter(), 0.0
+    out_tokens, t0, last = 0, time.perf_counter(), time.perf_counter()
     while engine.has_unfinished():
         for o in step():
             out_tokens += len(o.token_ids)
         now = time.perf_counter()
-        if now - last > 2:
+        if now - last > PROGRESS_S:
             last = now
-            print(f"  {out_tokens} tokens from finished requests, {now - t0:.1f} s, "
-                  f"{len(engine.scheduler.requests)} left", file=sys.stderr, flush=True)
+            note(f"  {engine.stats.tokens} of {planned} output tokens, {now - t0:.0f} s, "
+                 f"{len(engine.scheduler.requests)} requests left")
     sync(engine)
     wall = time.perf_counter() - t0
-    prompt_tokens = sum(len(p) for p, _ in reqs)
     emit(dict(model=a.model, requests=a.num_requests, output_tokens=out_tokens, prompt_tokens=prompt_tokens,
               wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
               total_tok_s=round((out_tokens + prompt_tokens) / wall, 1), steps=engine.stats.steps,
@@ -238,9 +276,10 @@ def cmd_profile(a):
     for name in names:
         if name not in CONFIGS:
             raise ValueError(f"--configs has {name!r}; choose from {', '.join(CONFIGS)}")
-        engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
-                                     triton_linear_rows=a.triton_linear_rows,
-                                     triton_narrow_rows=a.triton_narrow_rows, **CONFIGS[name]))
+        engine = make_engine(name, model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
+                             triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows,
+                             **CONFIGS[name])
+        note(f"{name}: prefill and 8 steps, then {a.steps} traced decode steps ...")
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=a.steps + 20, ignore_eos=True))
@@ -640,6 +679,12 @@ def positive(text: str) -> int:
     return n
 
 
+def by_device(name: str, what: str) -> str:
+    """Help for a bench flag whose default depends on the device (BENCH_DEFAULTS)."""
+    on_cuda, on_cpu = BENCH_DEFAULTS[name]
+    return f"{what} (default: {on_cuda} on CUDA, {on_cpu} on the CPU)"
+
+
 def parse_args(argv=None):
     p = Parser(prog="run.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
@@ -654,7 +699,7 @@ def parse_args(argv=None):
                              "0 on the CPU)")
     common.add_argument("--triton-narrow-rows", type=int, default=None,
                         help="... and narrow ones (<= 4096 outputs) up to N rows, if more (default: by the model)")
-    g = sub.add_parser("generate", parents=[common], help="generate from one prompt")
+    g = sub.add_parser("generate", parents=[common], help="generate from one prompt (CPU: ~10 s)")
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
     g.add_argument("--max-tokens", type=int, default=32)
@@ -663,30 +708,32 @@ def parse_args(argv=None):
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--json", action="store_true")
     g.add_argument("--enforce-eager", action="store_true", default=None)
-    o = sub.add_parser("overhead", parents=[common], help="decode a batch under each configuration")
+    o = sub.add_parser("overhead", parents=[common], help="decode a batch under each configuration (CPU: ~1 min)")
     o.add_argument("--requests", type=positive, default=16)
     o.add_argument("--slots", type=positive, default=None, help="max_num_seqs (default: --requests)")
     o.add_argument("--new-tokens", type=positive, default=64)
     o.add_argument("--prompt-len", type=positive, default=32)
     o.add_argument("--num-blocks", type=positive, default=None)
     o.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
-    b = sub.add_parser("bench", parents=[common], help="offline throughput (nano-vllm's protocol)")
-    b.add_argument("--num-requests", type=positive, default=256)
-    b.add_argument("--min-len", type=positive, default=100)
-    b.add_argument("--max-len", type=positive, default=1024)
+    b = sub.add_parser("bench", parents=[common], help="offline throughput, nano-vllm's protocol (CPU: ~1 min)")
+    b.add_argument("--num-requests", type=positive, default=None, help=by_device("num_requests", "requests"))
+    b.add_argument("--min-len", type=positive, default=None,
+                   help=by_device("min_len", "fewest tokens in a prompt, and to generate"))
+    b.add_argument("--max-len", type=positive, default=None,
+                   help=by_device("max_len", "most tokens in a prompt, and to generate"))
     b.add_argument("--max-num-seqs", type=positive, default=256)
     b.add_argument("--max-num-batched-tokens", type=positive, default=16384,
                    help="tokens per step (nano-vllm's default): prompts go in a few large chunks")
     b.add_argument("--sync", action="store_true", help="sync scheduling (default: async)")
     b.add_argument("--enforce-eager", action="store_true", default=None)
-    r = sub.add_parser("profile", parents=[common], help="Chrome traces of decode steps per configuration")
+    r = sub.add_parser("profile", parents=[common], help="Chrome traces of decode steps per configuration (CPU: ~1 min)")
     r.add_argument("--requests", type=positive, default=16)
     r.add_argument("--prompt-len", type=positive, default=32)
     r.add_argument("--steps", type=positive, default=10)
     r.add_argument("--configs", default=None)
     r.add_argument("--out", default="traces")
     r.add_argument("--with-cpu", action="store_true", help="on CUDA, trace the host's ops too (slows the host)")
-    k = sub.add_parser("kernels", parents=[common], help="Triton kernels vs torch references (CUDA)")
+    k = sub.add_parser("kernels", parents=[common], help="Triton kernels vs torch references (CUDA only; a few minutes on an H200)")
     k.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(KERNEL_GROUPS)}")
     return p.parse_args(argv)
 

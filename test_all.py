@@ -1194,6 +1194,9 @@ def test_cli_generate_and_bench_and_profile(tmp_path):
     r = cli("bench", "--num-requests", "3", "--min-len", "4", "--max-len", "12")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["output_tokens"] > 0 and rec["output_tok_s"] > 0
+    assert "bench: warm-up" in r.stderr  # progress, a line per phase
+    r = cli("bench", "--min-len", "300")  # past the CPU's default --max-len
+    assert r.returncode == 2 and "--min-len 300 is more than --max-len 128" in r.stderr, r.stderr
     r = cli("profile", "--requests", "2", "--steps", "2", "--configs", "fused", "--out", str(tmp_path))
     assert r.returncode == 0 and os.path.exists(json.loads(r.stdout)["trace"])
 
