@@ -1178,14 +1178,53 @@ def cli(*args, timeout=300):
                           timeout=timeout, cwd=HERE, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
 
 
+def is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
 def test_cli_overhead_prints_every_configuration():
     r = cli("overhead", "--requests", "4", "--new-tokens", "6")
     assert r.returncode == 0, r.stderr
-    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    lines = [json.loads(line) for line in r.stdout.splitlines()]  # stdout: JSON lines only (`| jq` works)
     assert lines[0]["device"] == "cpu" and lines[0]["requests"] == 4 and lines[0]["floor_ms"] > 0
+    assert lines[0]["bandwidth_source"] == "measured" and lines[0]["bandwidth_gb_s"] > 0
     assert [x["config"] for x in lines[1:]] == ["eager", "fused", "fused+async"]
     for x in lines[1:]:
         assert x["same_tokens"] is True and x["steps"] > 0 and x["tok_s"] > 0 and x["host_ms_per_step"] > 0
+    # stderr: progress for a person, a few lines a configuration, and not the results again
+    progress = r.stderr.splitlines()
+    assert not [line for line in progress if is_json(line)], r.stderr
+    for name in ("eager", "fused", "fused+async"):
+        assert any(line.startswith(f"{name}: ready in") for line in progress), r.stderr
+
+
+def test_cli_floors_use_the_bandwidth_given_or_measured():
+    r = cli("overhead", "--requests", "2", "--new-tokens", "3", "--configs", "fused", "--bandwidth", "1e11")
+    header = json.loads(r.stdout.splitlines()[0])
+    assert header["bandwidth_source"] == "--bandwidth" and header["bandwidth_gb_s"] == 100.0, header
+    assert "0.100 TB/s" in header["floor_note"]
+    sys.path.insert(0, HERE)
+    import run
+    measured = run.measure_bandwidth("cpu")
+    assert 1e8 < measured < 1e13 and measured != 4.27e12  # bytes/s of this machine, not the H200's
+
+
+def test_cli_help_states_every_default_and_each_command_its_time():
+    sys.path.insert(0, HERE)
+    import run
+    commands = next(a for a in run.make_parser()._actions if a.dest == "cmd").choices
+    assert set(commands) == {"generate", "overhead", "bench", "profile", "kernels"}
+    for name, parser in commands.items():
+        assert "CPU: ~" in parser.description or "H200" in parser.description, name
+        for action in parser._actions:
+            if action.dest != "help":
+                assert "default" in (action.help or ""), f"run.py {name} {action.option_strings[0]}: no default"
+    r = cli("bench", "--help")
+    assert r.returncode == 0 and "(default: 256 on CUDA, 64 on the CPU)" in " ".join(r.stdout.split())
 
 
 def test_cli_generate_and_bench_and_profile(tmp_path):
@@ -1194,7 +1233,7 @@ def test_cli_generate_and_bench_and_profile(tmp_path):
     r = cli("bench", "--num-requests", "3", "--min-len", "4", "--max-len", "12")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["output_tokens"] > 0 and rec["output_tok_s"] > 0
-    assert "bench: warm-up" in r.stderr  # progress, a line per phase
+    assert rec["bandwidth_source"] == "measured" and "bench: warm-up" in r.stderr
     r = cli("bench", "--min-len", "300")  # past the CPU's default --max-len
     assert r.returncode == 2 and "--min-len 300 is more than --max-len 128" in r.stderr, r.stderr
     r = cli("profile", "--requests", "2", "--steps", "2", "--configs", "fused", "--out", str(tmp_path))
