@@ -6,9 +6,9 @@
     python run.py profile --requests 64           # Chrome traces of a few decode steps per configuration
     python run.py kernels                         # each Triton kernel against its torch reference (CUDA)
 
-Results go to stdout as JSON lines; progress goes to stderr. Bad input prints one line naming the problem
-and exits with status 2. On the CPU the defaults are smaller where a command would take long (bench), and
-each command's --help says how long it takes there.
+Results go to stdout as JSON lines (generate's text, unless --json), and nothing else does: progress goes
+to stderr. Bad input prints one line naming the problem and exits with status 2. On the CPU the defaults
+are smaller where a command would take long (bench), and each command's --help says how long it takes.
 Imports nanoengine (and, for `kernels`, kernels.py).
 """
 import argparse
@@ -728,7 +728,8 @@ def by_device(name: str, what: str) -> str:
 def make_parser() -> Parser:
     """Every flag's help says its unit and its default; every command's says how long its defaults take."""
     p = Parser(prog="run.py", description=__doc__.splitlines()[0],
-               epilog="Results: JSON lines on stdout. Progress: stderr. `run.py COMMAND --help` for each.")
+               epilog="Results: JSON lines on stdout (generate: its text, unless --json). Progress: stderr. "
+                      "`run.py COMMAND --help` for each command's flags and time.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     common = Parser(add_help=False)
     common.add_argument("--model", default="tiny",
