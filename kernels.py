@@ -68,6 +68,12 @@ ATTN_PACK_BLOCK_N = 128
 ATTN_PACK_STAGES = 3
 # Paged attention: query rows (query tokens x heads of one kv group) per program at prefill.
 ATTN_PREFILL_BLOCK_M = 64
+# paged_attention_ref runs in bounded memory whatever the batch: a request's new tokens go in chunks of at
+# most this many queries, and chunks go together while their scores and gathered keys stay within
+# ATTN_REF_ELEMENTS float32 elements each (64 MB). Built whole, the scores of a 16,384-token prefill batch
+# took tens of GB (`run.py bench` on the CPU).
+ATTN_REF_QUERY_CHUNK = 64
+ATTN_REF_ELEMENTS = 1 << 24
 # Split-KV: aim for this many programs per SM so decode at small batch still fills the GPU; a decode
 # program uses ~40 KB of shared memory, so several run on an SM at once. 4 measured best on an H200
 # (batch 1-16, contexts 1K-8K) against 2 and 8 ...
@@ -1851,36 +1857,64 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
 ) -> torch.Tensor:
-    """Vectorised over requests, no host sync: gather each request's whole block-table row of K/V,
-    scatter queries into [B, max_query_len], masked softmax in float32, gather rows back to [T, H, D]."""
+    """Plain torch, no host sync, in bounded memory. Each request's new tokens are cut into chunks of up to
+    ATTN_REF_QUERY_CHUNK queries (a decode token is a chunk of its own); a chunk attends to its request's
+    context, so its scores are at most chunk x context, and chunks go a group at a time (ATTN_REF_ELEMENTS)."""
     _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, max_query_len)
     t, h, d = q.shape
+    if t == 0:  # no tokens: nothing for the empty chunks to read
+        return q.clone()
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    context = block_table.shape[1] * page_size  # L: the most keys a request may have
+    rows = min(max_query_len, ATTN_REF_QUERY_CHUNK)  # queries a chunk
+    qsl, seq_lens = query_start_loc.long(), seq_lens.long()
+    req, first = _query_chunks(qsl, rows, t)  # [N] each chunk's request and first token
+    last = torch.minimum(first + rows, qsl[req + 1])  # [N] one past its last token (<= first: empty)
+    # One row more than there are tokens: a chunk's rows past its last token write there, and it is dropped.
+    out = torch.zeros((t + 1, h, d), dtype=torch.float32, device=q.device)
+    group = max(1, ATTN_REF_ELEMENTS // (context * max(hkv * d, h * rows)))  # chunks at a time
+    for c in range(0, req.shape[0], group):
+        r = req[c:c + group]
+        tokens = first[c:c + group, None] + torch.arange(rows, device=q.device)  # [n, rows]
+        tokens = torch.where(tokens < last[c:c + group, None], tokens, t)
+        pos = seq_lens[r, None] - (qsl[r + 1, None] - tokens)  # [n, rows] each query's position
+        out[tokens] = _attend_chunks(q[tokens.clamp(max=t - 1)], k_cache, v_cache, block_table[r], seq_lens[r],
+                                     pos, scale)
+    return out[:t].to(q.dtype)  # [T, H, D]
+
+
+def _query_chunks(qsl: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's new tokens cut into chunks of up to `rows`: each chunk's request and first token,
+    [N] each. N is fixed on the host: the most chunks t tokens of b requests can make, (t + b (rows - 1))
+    // rows; the chunks past the real ones are empty (their first token is past their request's last)."""
+    b = qsl.shape[0] - 1
+    per_request = (qsl[1:] - qsl[:-1] + rows - 1) // rows  # [B] chunks of each request
+    ends = per_request.cumsum(0)  # [B] one past each request's last chunk
+    chunk = torch.arange((t + b * (rows - 1)) // rows, device=qsl.device)  # [N]
+    req = torch.searchsorted(ends, chunk, right=True).clamp(max=b - 1)
+    first = qsl[req] + (chunk - ends[req] + per_request[req]) * rows
+    return req, first
+
+
+def _attend_chunks(q, k_cache, v_cache, block_table, seq_lens, pos, scale) -> torch.Tensor:
+    """n chunks of queries, each over its own request's context: q [n, rows, H, D], block_table [n, max_blocks],
+    seq_lens [n], pos [n, rows] (a query sees keys 0..pos). Masked softmax in float32 -> [n, rows, H, D]."""
+    n, rows, h, d = q.shape
     num_blocks, page_size, hkv, _ = k_cache.shape
-    b, max_blocks = block_table.shape
-    device = q.device
     # Unused block-table entries may hold anything; clamp so the gather stays in range (they are masked).
     pages = block_table.long().clamp(0, num_blocks - 1)
-    keys = torch.arange(max_blocks * page_size, device=device)  # [L]
-    in_context = (keys[None, :] < seq_lens.long()[:, None])[:, :, None, None]  # [B, L, 1, 1]
+    keys = torch.arange(pages.shape[1] * page_size, device=q.device)  # [L]
+    in_context = (keys[None, :] < seq_lens[:, None])[:, :, None, None]  # [n, L, 1, 1]
     # Slots past seq_len may hold anything, NaN included, and 0 * NaN is NaN: zero them before the matmuls.
-    k = torch.where(in_context, k_cache[pages].reshape(b, -1, hkv, d).float(), 0.0)  # [B, L, Hkv, D]
-    v = torch.where(in_context, v_cache[pages].reshape(b, -1, hkv, d).float(), 0.0)
-    qsl = query_start_loc.long()
-    tokens = torch.arange(t, device=device)
-    req = torch.searchsorted(qsl[1:], tokens, right=True)  # [T] request of each token
-    q_idx = tokens - qsl[req]  # [T] index among the request's new tokens
-    qb = torch.zeros((b, max_query_len, h, d), dtype=torch.float32, device=device)
-    qb[req, q_idx] = q.float()
-    qb = qb.view(b, max_query_len, hkv, h // hkv, d)  # [B, Mq, Hkv, G, D]
-    scores = torch.einsum("bqhgd,blhd->bhgql", qb, k) * scale  # [B, Hkv, G, Mq, L]
-    q_len = qsl[1:] - qsl[:-1]  # [B]
-    q_pos = (seq_lens.long() - q_len)[:, None] + torch.arange(max_query_len, device=device)  # [B, Mq]
-    visible = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < seq_lens.long()[:, None, None])
-    visible = visible[:, None, None]  # [B, 1, 1, Mq, L]
+    k = torch.where(in_context, k_cache[pages].reshape(n, -1, hkv, d).float(), 0.0)  # [n, L, Hkv, D]
+    v = torch.where(in_context, v_cache[pages].reshape(n, -1, hkv, d).float(), 0.0)
+    qg = q.float().view(n, rows, hkv, h // hkv, d)  # [n, rows, Hkv, G, D]
+    scores = torch.einsum("nqhgd,nlhd->nhgql", qg, k) * scale  # [n, Hkv, G, rows, L]
+    visible = (keys <= pos[:, :, None]) & (keys < seq_lens[:, None, None])  # [n, rows, L]
+    visible = visible[:, None, None]  # [n, 1, 1, rows, L]
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # rows with no key: 0, not NaN
-    out = torch.einsum("bhgql,blhd->bqhgd", probs, v).reshape(b, max_query_len, h, d)
-    return out[req, q_idx].to(q.dtype)  # [T, H, D]
+    return torch.einsum("nhgql,nlhd->nqhgd", probs, v).reshape(n, rows, h, d)
 
 
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_lens, block_table, cos_sin_cache,

@@ -11,6 +11,7 @@ batching) and graphs.py (CUDA graphs per batch bucket). run.py is the command li
 The forward pass never reads a batch value back to the host: every per-step value is a tensor in a
 `Batch`, and the only host-side numbers (`max_query_len`, the tensor sizes) are ones a CUDA graph can fix.
 """
+import gc
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch._dynamo  # noqa: F401 (see build_model)
 import torch.nn.functional as F
 from torch import nn
 
@@ -601,6 +603,9 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     hf, folder = read_model_config(cfg.model)
     mcfg = ModelConfig.from_hf(hf, where=f"model={cfg.model!r} config")
     dtype = getattr(torch, cfg.dtype)
+    # On the meta device torch imports torch._dynamo the first time; that import leaves cyclic garbage that
+    # holds the frames it ran under, and with them the first Engine of a process, until the cycle
+    # collector runs. Imported at the top of this file, it holds nothing of ours.
     with torch.device("meta"):  # no memory and no init until the real device is known
         model = Model(mcfg)
     model = model.to(dtype).to_empty(device=cfg.device)
@@ -868,6 +873,11 @@ class ModelRunner:
         row = self.row_of.pop(req, None)
         if row is not None:
             self.free_rows.append(row)
+
+    def close(self):
+        """Drop every tensor this runner holds: the KV cache, the graphs (and with them their memory pool),
+        the staging buffers, last step's tokens and the model (Engine.close)."""
+        self.kv_cache = self.graphs = self.staging = self.decode = self.prev_tokens = self.model = None
 
     # -- one step's tensors ---------------------------------------------------------------------------
     def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
@@ -1152,8 +1162,10 @@ class Engine:
         num_blocks = cfg.num_blocks or self._blocks_for_memory()
         self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.max_model_len, mc.eos_token_ids)
-        self.scheduler.on_release = lambda req: self.runner.release(req)  # finished, aborted or preempted
         self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
+        # Finished, aborted or preempted requests give their rows back. The runner's bound method, not a
+        # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
+        self.scheduler.on_release = self.runner.release
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
         self.readback = None  # async on CUDA: two pinned token buffers, alternating
@@ -1162,18 +1174,52 @@ class Engine:
         self.aborted: list[Request] = []  # aborted since the last step, which returns them
 
     def _blocks_for_memory(self) -> int:
+        """On CUDA, as in vLLM: the KV cache takes gpu_memory_utilization of the GPU's memory less this
+        engine's weights and CUDA_HEADROOM_BYTES. That depends on nothing else in the process, so an engine
+        made after another was closed or dropped gets as many blocks as the first. Only where less is free
+        (another engine or process holds it) is the cache cut to what is."""
         mc = self.model.config
         per_block = 2 * mc.num_layers * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * \
             self.model.lm_head.weight.element_size()
         if not self.cfg.device.startswith("cuda"):
             return max(16, CPU_KV_BYTES // per_block)
-        torch.cuda.empty_cache()  # fusing freed the unfused weights into torch's cache: count them as free
+        gc.collect()  # a dropped engine that another library's reference cycle still holds lets go now
+        torch.cuda.empty_cache()  # dropped engines and the unfused weights left memory in torch's cache
         free, total = torch.cuda.mem_get_info()
-        budget = total * self.cfg.gpu_memory_utilization - (total - free) - CUDA_HEADROOM_BYTES
+        util, weights = self.cfg.gpu_memory_utilization, param_bytes(self.model)
+        budget = min(total * util - weights, free) - CUDA_HEADROOM_BYTES
         if budget < per_block:
-            raise ValueError(f"gpu_memory_utilization={self.cfg.gpu_memory_utilization} leaves no room for "
-                             "the KV cache after the weights; raise it or use a smaller model")
+            raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV cache: {free / 2**30:.1f} "
+                             f"of {total / 2**30:.1f} GiB are free with the weights ({weights / 2**30:.1f} GiB) "
+                             "loaded; close() engines you no longer use, raise gpu_memory_utilization or use "
+                             "a smaller model")
         return int(budget // per_block)
+
+    # -- life cycle ---------------------------------------------------------------------------------------
+    def close(self):
+        """Give the engine's memory back now: KV cache, CUDA graphs and their memory pool, staging buffers
+        and weights, then torch's cache on CUDA. Using the engine afterwards raises ValueError; closing
+        twice does nothing. Dropping the last reference frees the same, short of emptying torch's cache
+        (the next engine does that before it sizes its KV cache)."""
+        if self.runner is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()  # a step in flight still reads the cache and writes its tokens
+        self.runner.close()
+        self.runner = self.scheduler = self.model = self.tokenizer = None
+        self.inflight = self.readback = None
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _check_open(self):
+        if self.runner is None:
+            raise ValueError("this engine is closed (close() gave its memory back); make a new LLM or Engine")
 
     # -- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
@@ -1205,6 +1251,7 @@ class Engine:
 
     def _check(self, prompt, params, request_id: str | None) -> tuple[list[int], SamplingParams]:
         """The checks of add_request: (the prompt's ids, the params). Raises on bad input."""
+        self._check_open()
         params = check_params("params", params)
         check_type("request_id", request_id, "str", optional=True)
         if request_id in self.scheduler.requests:
@@ -1246,6 +1293,7 @@ class Engine:
         flight (async): that step's token for it is dropped, as it was never read back. An unknown or
         finished id is ignored."""
         check_type("request_id", request_id, "str")
+        self._check_open()
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
@@ -1253,6 +1301,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Requests to run, a step in flight, or aborted requests not yet returned."""
+        self._check_open()
         return self.scheduler.has_unfinished() or self.inflight is not None or bool(self.aborted)
 
     # -- steps --------------------------------------------------------------------------------------------
@@ -1262,6 +1311,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run, read the tokens back (one host sync), update. Returns the requests that finished."""
+        self._check_open()
         t0 = time.perf_counter()
         finished = self._land() if self.inflight else []  # switching from async: land its step first
         out = self.scheduler.schedule()
@@ -1275,6 +1325,7 @@ class Engine:
 
     def step_async(self) -> list[RequestOutput]:
         """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
+        self._check_open()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         launched = None
@@ -1339,10 +1390,21 @@ def load_tokenizer(folder: str | None):
 
 
 class LLM:
-    """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) -> outputs in input order."""
+    """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) -> outputs in input order.
+    `with LLM(...) as llm:` gives its memory back on leaving the block (close())."""
 
     def __init__(self, model: str = "tiny", **settings):
         self.engine = Engine(EngineConfig(model=model, **settings))
+
+    def close(self):
+        """Engine.close: the KV cache, graphs and weights go now; generate then raises ValueError."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
 
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
         """prompts: one prompt (text, or a list of token ids) or a list of them; sampling_params: one

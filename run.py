@@ -6,12 +6,13 @@
     python run.py profile --requests 64           # Chrome traces of a few decode steps per configuration
     python run.py kernels                         # each Triton kernel against its torch reference (CUDA)
 
-Bad input prints one line naming the problem and exits with status 2.
+Results go to stdout as JSON lines (generate's text, unless --json), and nothing else does: progress goes
+to stderr. Bad input prints one line naming the problem and exits with status 2. On the CPU the defaults
+are smaller where a command would take long (bench), and each command's --help says how long it takes.
 Imports nanoengine (and, for `kernels`, kernels.py).
 """
 import argparse
 import collections
-import gc
 import itertools
 import json
 import os
@@ -25,7 +26,17 @@ import triton
 import kernels
 from nanoengine import PRESETS, Engine, EngineConfig, SamplingParams, param_bytes
 
-BANDWIDTH = 4.27e12  # bytes/s: the H200's measured device-to-device copy rate (../shared/GPU.md)
+# The floors divide bytes by the device's bandwidth: --bandwidth, else measured by a copy of this many bytes
+# (past every cache: the H200's L2 is 60 MB), the best of COPY_REPEATS, well under a second. An H200
+# measures about 4.27e12 bytes/s read + written (../shared/GPU.md).
+COPY_BYTES = dict(cuda=1 << 30, cpu=256 << 20)
+COPY_REPEATS = 5
+
+# `run.py bench`'s defaults, (CUDA, CPU): nano-vllm's protocol on CUDA; on the CPU, where the torch
+# reference attention reads every request's whole context each step, fewer and shorter requests, so that
+# the run takes a minute or two on a 2-core laptop, not hours.
+BENCH_DEFAULTS = dict(num_requests=(256, 64), min_len=(100, 16), max_len=(1024, 128))
+PROGRESS_S = 5.0  # seconds between bench's progress lines
 
 # name -> engine settings. Graph configurations need CUDA; on the CPU they are skipped.
 CONFIGS = {
@@ -40,6 +51,59 @@ CONFIGS = {
 def emit(record: dict):
     """One JSON line per record: easy to read, easy to grep, easy to paste into a table."""
     print(json.dumps(record), flush=True)
+
+
+def note(text: str):
+    """Progress for whoever watches, on stderr: stdout carries the results only."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def make_engine(label: str, **settings) -> Engine:
+    """Engine(EngineConfig(**settings)), with a line before and after: building takes a while with a big
+    model, and on CUDA it captures a graph per batch size."""
+    cfg = EngineConfig(**settings)
+    graphs = " and its CUDA graphs" if cfg.device.startswith("cuda") and not cfg.enforce_eager else ""
+    note(f"{label}: building the engine{graphs} ({cfg.model}, {cfg.device}) ...")
+    t0 = time.perf_counter()
+    engine = Engine(cfg)
+    g = engine.runner.graphs
+    captured = f", {len(g.graphs)} graphs in {g.capture_seconds:.1f} s" if g is not None and g.graphs else ""
+    note(f"{label}: ready in {time.perf_counter() - t0:.1f} s ({engine.scheduler.blocks.num_blocks} KV blocks"
+         f"{captured})")
+    return engine
+
+
+def measure_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a large copy on the device: the most a decode step's reads of
+    weights and KV can reach."""
+    cuda = device.startswith("cuda")
+    n = COPY_BYTES["cuda" if cuda else "cpu"]
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(COPY_REPEATS + 1):  # the first touches dst's pages: only the best counts
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best
+
+
+def floor_bandwidth(a, device: str) -> tuple[float, str]:
+    """The bytes/s the floors divide by, and where it came from: --bandwidth if given, else measured here."""
+    if a.bandwidth is not None:
+        if not a.bandwidth > 0:
+            raise ValueError(f"--bandwidth {a.bandwidth} is invalid: give the device's bytes/s, e.g. 4.27e12")
+        return a.bandwidth, "--bandwidth"
+    note(f"measuring the copy bandwidth of {device} (under a second; --bandwidth skips it) ...")
+    return measure_bandwidth(device), "measured"
+
+
+def bandwidth_fields(bandwidth: float, source: str) -> dict:
+    return dict(bandwidth_gb_s=round(bandwidth / 1e9, 1), bandwidth_source=source)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -75,15 +139,16 @@ def cmd_overhead(a):
                 num_blocks=a.num_blocks, triton_linear_rows=a.triton_linear_rows,
                 triton_narrow_rows=a.triton_narrow_rows)
     EngineConfig(**base)  # bad settings fail here, as one line, before any progress is printed
+    bandwidth = floor_bandwidth(a, device)
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     header, records, reference, fused_reference = None, [], None, None
     for name in names:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        engine = Engine(EngineConfig(**base, **CONFIGS[name]))
+        engine = make_engine(name, **base, **CONFIGS[name])
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
+        note(f"{name}: warm-up, then {a.requests} requests x {a.new_tokens} tokens ...")
         run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=3))  # warm up: compile, allocate
         r = run_engine(engine, prompts, params)
-        header = header or overhead_header(engine, a, device)
+        header = header or overhead_header(engine, a, device, *bandwidth)
         if engine.runner.graphs is not None and engine.runner.graphs.use_cuda_graphs:
             header.update(graph_capture_s=round(engine.runner.graphs.capture_seconds, 2),
                           graph_mem_mb=round(engine.runner.graphs.capture_bytes / 2**20, 1))
@@ -103,21 +168,22 @@ def cmd_overhead(a):
         if name != "eager":  # in bf16, fused kernels round differently from eager torch ops; the fused
             rec["same_as_fused"] = r["outputs"] == fused_reference  # configs must still agree exactly
         records.append(rec)
-        print(json.dumps(rec), file=sys.stderr, flush=True)  # progress, in case the run is cut short
-        del engine
-        free_memory()
+        note(f"{name}: {rec['tok_s']} tok/s, {rec['ms_per_step']} ms a step ({rec['host_ms_per_step']} ms on the "
+             f"host), same tokens as {names[0]}: {rec['same_tokens']}")
+        engine.close()  # its KV cache and graphs go before the next configuration sizes its own
     for rec in [header] + records:  # the header carries the graphs' capture cost, known only now
         emit(rec)
 
 
-def overhead_header(engine: Engine, a, device: str) -> dict:
+def overhead_header(engine: Engine, a, device: str, bandwidth: float, source: str) -> dict:
     context = a.prompt_len + a.new_tokens // 2
-    floor = floor_seconds(engine, a.requests, context, a.bandwidth)
+    floor = floor_seconds(engine, a.requests, context, bandwidth)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests,
                 triton_linear_rows=engine.cfg.triton_linear_rows, triton_narrow_rows=engine.cfg.triton_narrow_rows,
                 prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
-                floor_note=f"decode step at mean context {context}: weights + KV bytes / {a.bandwidth / 1e12:.2f} TB/s")
+                **bandwidth_fields(bandwidth, source),
+                floor_note=f"decode step at mean context {context}: weights + KV bytes / {bandwidth / 1e12:.3f} TB/s")
 
 
 def run_engine(engine: Engine, prompts, params) -> dict:
@@ -143,14 +209,6 @@ def run_engine(engine: Engine, prompts, params) -> dict:
                 host_s=st.host_s, gpu_s=st.gpu_seconds(), decode_tokens=st.tokens)
 
 
-def free_memory():
-    """Give a dropped engine's GPU memory back now (its KV cache takes most of the card): its graphs and
-    modules hold reference cycles, which only the cycle collector frees."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def sync(engine: Engine):
     if engine.cfg.device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -167,6 +225,7 @@ def cmd_generate(a):
             raise ValueError(f"--prompt-ids {a.prompt_ids!r} is invalid: give comma-separated integers") from None
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed)
+    # No progress lines: the command is short, and bad input (a model, a prompt) prints its one line alone
     engine = Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager,
                                  triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows))
     engine.add_request(prompt, params)
@@ -186,10 +245,16 @@ def cmd_bench(a):
     if a.min_len > a.max_len:
         raise ValueError(f"--min-len {a.min_len} is more than --max-len {a.max_len}")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                                 async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
-                                 max_num_batched_tokens=a.max_num_batched_tokens,
-                                 triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows))
+    for name, (on_cuda, on_cpu) in BENCH_DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, on_cuda if device.startswith("cuda") else on_cpu)
+    if a.min_len > a.max_len:
+        raise ValueError(f"--min-len {a.min_len} is more than --max-len {a.max_len}")
+    bandwidth = floor_bandwidth(a, device)  # before the engine takes the GPU's memory
+    engine = make_engine("bench", model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
+                         async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
+                         max_num_batched_tokens=a.max_num_batched_tokens,
+                         triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows)
     rng = random.Random(a.seed)
     vocab = engine.model.config.vocab_size
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(a.min_len, a.max_len))],
@@ -203,30 +268,34 @@ def cmd_bench(a):
     # with a full batch of equal short prompts (H200).
     warm_rng = random.Random(a.seed + 1)
     warm = [[warm_rng.randrange(vocab) for _ in range(len(p))] for p, _ in reqs]
+    prompt_tokens, planned = sum(len(p) for p, _ in reqs), sum(sp.max_tokens for _, sp in reqs)
+    note(f"bench: warm-up, {len(warm)} prompts ({prompt_tokens} tokens) x 8 new tokens ...")
+    t0 = time.perf_counter()
     run_engine(engine, warm, SamplingParams(temperature=0.6, seed=0, max_tokens=8, ignore_eos=True))
+    note(f"bench: warm-up took {time.perf_counter() - t0:.1f} s; timed run, {a.num_requests} requests, "
+         f"{prompt_tokens} prompt + {planned} output tokens ...")
     engine.stats.reset()
     engine.stats.gpu_timing = True  # device time per step: how much of the run the GPU was busy
     for p, sp in reqs:
         engine.add_request(p, sp)
     step = engine.step_async if engine.cfg.async_scheduling else engine.step
-    out_tokens, t0, last = 0, time.perf_counter(), 0.0
+    out_tokens, t0, last = 0, time.perf_counter(), time.perf_counter()
     while engine.has_unfinished():
         for o in step():
             out_tokens += len(o.token_ids)
         now = time.perf_counter()
-        if now - last > 2:
+        if now - last > PROGRESS_S:
             last = now
-            print(f"  {out_tokens} tokens from finished requests, {now - t0:.1f} s, "
-                  f"{len(engine.scheduler.requests)} left", file=sys.stderr, flush=True)
+            note(f"  {engine.stats.tokens} of {planned} output tokens, {now - t0:.0f} s, "
+                 f"{len(engine.scheduler.requests)} requests left")
     sync(engine)
     wall = time.perf_counter() - t0
-    prompt_tokens = sum(len(p) for p, _ in reqs)
     emit(dict(model=a.model, requests=a.num_requests, output_tokens=out_tokens, prompt_tokens=prompt_tokens,
               wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
               total_tok_s=round((out_tokens + prompt_tokens) / wall, 1), steps=engine.stats.steps,
               host_ms_per_step=round(1e3 * engine.stats.host_s / max(engine.stats.steps, 1), 3),
               gpu_busy_pct=round(100 * engine.stats.gpu_seconds() / wall, 1) if device.startswith("cuda") else None,
-              floor_s=round(bench_floor(engine, reqs, a.bandwidth), 2)))
+              floor_s=round(bench_floor(engine, reqs, bandwidth[0]), 2), **bandwidth_fields(*bandwidth)))
 
 
 def bench_floor(engine: Engine, reqs, bandwidth: float) -> float:
@@ -250,9 +319,10 @@ def cmd_profile(a):
     for name in names:
         if name not in CONFIGS:
             raise ValueError(f"--configs has {name!r}; choose from {', '.join(CONFIGS)}")
-        engine = Engine(EngineConfig(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
-                                     triton_linear_rows=a.triton_linear_rows,
-                                     triton_narrow_rows=a.triton_narrow_rows, **CONFIGS[name]))
+        engine = make_engine(name, model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
+                             triton_linear_rows=a.triton_linear_rows, triton_narrow_rows=a.triton_narrow_rows,
+                             **CONFIGS[name])
+        note(f"{name}: prefill and 8 steps, then {a.steps} traced decode steps ...")
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=a.steps + 20, ignore_eos=True))
@@ -273,8 +343,7 @@ def cmd_profile(a):
         emit(dict(config=name, requests=a.requests, trace=path, **trace_summary(path, a.steps, cuda)))
         while engine.has_unfinished():
             step()
-        del engine, step  # the bound method holds the engine too
-        free_memory()
+        engine.close()
 
 
 def trace_summary(path: str, steps: int, cuda: bool) -> dict:
@@ -344,33 +413,30 @@ def _time_us(fn, graph: bool = True, rep: int = REP_MS) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median") * 1e3
 
 
-def _report(out_lines, kernel: str, shape: dict, fn, ref_fn, floor_bytes: float, ref_graph=True, **extra):
+def _report(bandwidth: float, kernel: str, shape: dict, fn, ref_fn, floor_bytes: float, ref_graph=True, **extra):
     us = _time_us(fn)
-    floor_us = floor_bytes / BANDWIDTH * 1e6
+    floor_us = floor_bytes / bandwidth * 1e6
     row = dict(kernel=kernel, **shape, us=round(us, 2), ref_us=round(_time_us(ref_fn, ref_graph), 2),
                floor_us=round(floor_us, 2), pct_of_bw=round(100 * floor_us / us, 1),
                timing="cuda_graph", ref_timing="cuda_graph" if ref_graph else "events", **extra)
     if "loop_us" in extra:
         row["x_vs_loop"] = round(extra["loop_us"] / us, 1)  # speed-up over the per-expert torch loop
-    line = json.dumps(row)
-    print(line, flush=True)
-    if out_lines is not None:
-        out_lines.append(line)
+    print(json.dumps(row), flush=True)
 
 
-def _bench_elementwise(out_lines, t: int) -> None:
+def _bench_elementwise(bandwidth: float, t: int) -> None:
     hidden, inter = QWEN3_0_6B["hidden"], QWEN3_0_6B["inter"]
     h, hkv, d = QWEN3_0_6B["heads"], QWEN3_0_6B["kv_heads"], QWEN3_0_6B["head_dim"]
     dev = "cuda"
     x, w = torch.randn(t, hidden, device=dev, dtype=BF16), torch.randn(hidden, device=dev, dtype=BF16)
     res = torch.randn(t, hidden, device=dev, dtype=BF16)
     shape = dict(tokens=t)
-    _report(out_lines, "rmsnorm", shape, lambda: kernels.rmsnorm(x, w, 1e-6),
+    _report(bandwidth, "rmsnorm", shape, lambda: kernels.rmsnorm(x, w, 1e-6),
             lambda: kernels.rmsnorm_ref(x, w, 1e-6), 2 * t * hidden * BYTES)
-    _report(out_lines, "add_rmsnorm", shape, lambda: kernels.add_rmsnorm(x, res, w, 1e-6),
+    _report(bandwidth, "add_rmsnorm", shape, lambda: kernels.add_rmsnorm(x, res, w, 1e-6),
             lambda: kernels.add_rmsnorm_ref(x, res, w, 1e-6), 4 * t * hidden * BYTES)
     gu = torch.randn(t, 2 * inter, device=dev, dtype=BF16)
-    _report(out_lines, "silu_and_mul", shape, lambda: kernels.silu_and_mul(gu),
+    _report(bandwidth, "silu_and_mul", shape, lambda: kernels.silu_and_mul(gu),
             lambda: kernels.silu_and_mul_ref(gu), 3 * t * inter * BYTES)
     qkv = torch.randn(t, (h + 2 * hkv) * d, device=dev, dtype=BF16)
     q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
@@ -385,7 +451,7 @@ def _bench_elementwise(out_lines, t: int) -> None:
     slots = torch.randperm((num_blocks - 1) * PAGE_SIZE, device=dev)[:t]
     # RoPE with Qwen3's per-head norm, and the KV-cache write: one launch (k goes to the cache, not back
     # to qkv). Floor: q read and written, k and v read and written to the cache, cos/sin read.
-    _report(out_lines, "rope_write_kv", shape,
+    _report(bandwidth, "rope_write_kv", shape,
             lambda: kernels.rope_write_kv(q, k, v, k_cache, v_cache, slots, positions, cos_sin, qn, kn),
             lambda: kernels.rope_write_kv_ref(q, k, v, k_cache, v_cache, slots, positions, cos_sin, qn, kn),
             2 * t * h * d * BYTES + 4 * t * hkv * d * BYTES + t * d * 4)
@@ -394,7 +460,7 @@ def _bench_elementwise(out_lines, t: int) -> None:
     vocab = 151936
     logits = torch.randn(t, vocab, device=dev)
     temp, seeds, counters = torch.full((t,), 0.6, device=dev), torch.arange(t, device=dev), torch.arange(t, device=dev)
-    _report(out_lines, "race_sample", shape, lambda: kernels.race_sample(logits, temp, seeds, counters),
+    _report(bandwidth, "race_sample", shape, lambda: kernels.race_sample(logits, temp, seeds, counters),
             lambda: kernels.race_sample_ref(logits, temp, seeds, counters), t * vocab * 4)
 
 
@@ -423,19 +489,19 @@ def _moe_case(n: int, weights) -> tuple[tuple, torch.Tensor, int, float]:
     return (x, gate_up, down, topk_weights, topk_ids), scores, touched, floor_bytes
 
 
-def _bench_moe(out_lines, n: int, weights) -> None:
+def _bench_moe(bandwidth: float, n: int, weights) -> None:
     e, top_k = QWEN3_30B_A3B_MOE["experts"], QWEN3_30B_A3B_MOE["top_k"]
     args, scores, touched, floor_bytes = _moe_case(n, weights)
     loop_us = _time_us(lambda: _moe_loop(*args), graph=False)
-    _report(out_lines, "fused_moe", dict(tokens=n, experts_touched=touched),
+    _report(bandwidth, "fused_moe", dict(tokens=n, experts_touched=touched),
             lambda: kernels.fused_moe(*args), lambda: kernels.fused_moe_ref(*args), floor_bytes,
             ref_graph=False, loop_us=round(loop_us, 2))
     logits = scores.to(BF16)
-    _report(out_lines, "moe_route", dict(tokens=n), lambda: kernels.moe_route(logits, top_k, True),
+    _report(bandwidth, "moe_route", dict(tokens=n), lambda: kernels.moe_route(logits, top_k, True),
             lambda: kernels.moe_route_ref(logits, top_k, True), n * e * BYTES + n * top_k * (8 + BYTES))
 
 
-def _bench_moe_paths(out_lines, n: int, weights) -> None:
+def _bench_moe_paths(bandwidth: float, n: int, weights) -> None:
     """fused_moe forced onto its decode path (us) against its sorted path (ref_us) at n tokens. Same floor
     for both: the decode path re-reads an expert for every token routed to it (from L2 if it is lucky), so
     its pct_of_bw falls as tokens share experts, and the threshold belongs where us passes ref_us."""
@@ -445,13 +511,13 @@ def _bench_moe_paths(out_lines, n: int, weights) -> None:
                            lambda: kernels.fused_moe(*args, decode_max_tokens=0))
     torch.testing.assert_close(decode(), sorted_path(), atol=3e-2, rtol=3e-2)  # bf16, as the GPU tests
     inter, num_assignments = gate_up.shape[1] // 2, topk_ids.numel()
-    _report(out_lines, "fused_moe_decode", dict(tokens=n, experts_touched=touched), decode, sorted_path,
+    _report(bandwidth, "fused_moe_decode", dict(tokens=n, experts_touched=touched), decode, sorted_path,
             floor_bytes, ref="fused_moe sorted path",
             gate_up_blocks=kernels.moe_decode_blocks(num_assignments, inter, x.shape[1], BYTES, 2),
             down_blocks=kernels.moe_decode_blocks(n, x.shape[1], inter, BYTES, 1))
 
 
-def _bench_decode_attention(out_lines, b: int, ctx: int, width: int = 0) -> None:
+def _bench_decode_attention(bandwidth: float, b: int, ctx: int, width: int = 0) -> None:
     """width: block-table columns, as in a CUDA graph (sized for the longest context); 0 = just enough."""
     h, hkv, d = QWEN3_0_6B["heads"], QWEN3_0_6B["kv_heads"], QWEN3_0_6B["head_dim"]
     blocks_per_seq = triton.cdiv(ctx, PAGE_SIZE)
@@ -466,11 +532,11 @@ def _bench_decode_attention(out_lines, b: int, ctx: int, width: int = 0) -> None
     seq_lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
     args = (q, k_cache, v_cache, qsl, seq_lens, block_table, d**-0.5, 1)
     floor_bytes = 2 * b * ctx * hkv * d * BYTES + 2 * b * h * d * BYTES
-    _report(out_lines, "paged_attention_decode", dict(batch=b, context=ctx, table_blocks=block_table.shape[1]),
+    _report(bandwidth, "paged_attention_decode", dict(batch=b, context=ctx, table_blocks=block_table.shape[1]),
             lambda: kernels.paged_attention(*args), lambda: kernels.paged_attention_ref(*args), floor_bytes)
 
 
-def _bench_packed_decode_attention(out_lines, b: int, lo: int = 33, hi: int = 64) -> None:
+def _bench_packed_decode_attention(bandwidth: float, b: int, lo: int = 33, hi: int = 64) -> None:
     """decode_attention as the engine runs it (RoPE, Qwen3's norms and the KV write inside while the grid
     fits one wave) over b contexts of lo..hi keys: told they are short (max_seq_len = hi), it packs kv
     heads into a program; the reference column is the same kernel not told (one kv head a program)."""
@@ -495,39 +561,37 @@ def _bench_packed_decode_attention(out_lines, b: int, lo: int = 33, hi: int = 64
     one_head = lambda q=q: kernels.decode_attention(q, *args)
     torch.testing.assert_close(packed(q.clone()), one_head(q.clone()), atol=3e-2, rtol=3e-2)  # bf16
     floor_bytes = 2 * int(lens.sum()) * hkv * d * BYTES + 2 * b * h * d * BYTES
-    _report(out_lines, "decode_attention_short", dict(batch=b, context=[lo, hi]), packed, one_head, floor_bytes,
+    _report(bandwidth, "decode_attention_short", dict(batch=b, context=[lo, hi]), packed, one_head, floor_bytes,
             kv_heads_a_program=kernels._decode_pack(b, hkv), ref="one kv head a program")
 
 
-def bench_kernels(groups=DEFAULT_KERNEL_GROUPS, out_lines: list | None = None) -> None:
-    """Print (and append to out_lines, if given) one JSON line per kernel and shape."""
-    if not torch.cuda.is_available():
-        raise ValueError("run.py kernels needs a CUDA device")
+def bench_kernels(bandwidth: float, groups=DEFAULT_KERNEL_GROUPS) -> None:
+    """Print one JSON line per kernel and shape; the floors are bytes / bandwidth (bytes/s)."""
     torch.manual_seed(0)
     if "elementwise" in groups:
         for t in TOKENS:
-            _bench_elementwise(out_lines, t)
+            _bench_elementwise(bandwidth, t)
     if "moe" in groups:
         d, inter, e = (QWEN3_30B_A3B_MOE[k] for k in ("hidden", "moe_inter", "experts"))
         weights = (torch.randn(e, 2 * inter, d, device="cuda", dtype=BF16) * d**-0.5,  # gate_up [E, 2I, D]
                    torch.randn(e, d, inter, device="cuda", dtype=BF16) * inter**-0.5)  # down [E, D, I]
         for n in MOE_TOKENS:
-            _bench_moe(out_lines, n, weights)
+            _bench_moe(bandwidth, n, weights)
         for n in MOE_DECODE_TOKENS:
-            _bench_moe_paths(out_lines, n, weights)
+            _bench_moe_paths(bandwidth, n, weights)
         del weights
     if "attention" in groups:
         for b in DECODE_BATCHES:
             for ctx in DECODE_CONTEXTS:
-                _bench_decode_attention(out_lines, b, ctx)
+                _bench_decode_attention(bandwidth, b, ctx)
         for b in (1, 16):  # as the graphs run it: the table is as wide as max_model_len (8192 tokens)
-            _bench_decode_attention(out_lines, b, 128, width=8192 // PAGE_SIZE)
+            _bench_decode_attention(bandwidth, b, 128, width=8192 // PAGE_SIZE)
         for b in (64, 128, 256):
-            _bench_packed_decode_attention(out_lines, b)
+            _bench_packed_decode_attention(bandwidth, b)
     if "linear" in groups:
-        bench_linear()
+        bench_linear(bandwidth)
     if "tiles" in groups:
-        sweep_linear_tiles()
+        sweep_linear_tiles(bandwidth)
 
 
 LINEAR_REP_MS = 5  # timed replay per measurement; 84 measurements keep the run near 30 s
@@ -543,7 +607,7 @@ LINEAR_SHAPES = {
 }
 
 
-def _bench_matrix(model: str, name: str, k: int, n: int, m: int) -> dict:
+def _bench_matrix(bandwidth: float, model: str, name: str, k: int, n: int, m: int) -> dict:
     weight_bytes = n * k * 2
     copies = max(1, -(-ROTATE_BYTES // weight_bytes))
     weights = torch.randn(copies, n, k, device="cuda", dtype=BF16) * k**-0.5  # [copies, N, K]
@@ -552,7 +616,7 @@ def _bench_matrix(model: str, name: str, k: int, n: int, m: int) -> dict:
     ours, theirs = itertools.cycle(weights), itertools.cycle(weights)
     us = _time_us(lambda: kernels.linear(x, next(ours)), rep=LINEAR_REP_MS)
     cublas_us = _time_us(lambda: torch.nn.functional.linear(x, next(theirs)), rep=LINEAR_REP_MS)
-    floor_us = weight_bytes / BANDWIDTH * 1e6
+    floor_us = weight_bytes / bandwidth * 1e6
     block_m, block_n, block_k, use_dot, _ = kernels._linear_blocks(m, n, k, 2)
     return dict(kernel="linear", model=model, matrix=name, M=m, N=n, K=k, us=round(us, 2),
                 cublas_us=round(cublas_us, 2), floor_us=round(floor_us, 2), pct_of_bw=round(100 * floor_us / us, 1),
@@ -561,7 +625,7 @@ def _bench_matrix(model: str, name: str, k: int, n: int, m: int) -> dict:
                 weight_copies=copies, timing="cuda_graph")
 
 
-def bench_linear() -> list[dict]:
+def bench_linear(bandwidth: float) -> list[dict]:
     rows = []
     for model, spec in LINEAR_SHAPES.items():
         step = {m: [0.0, 0.0, 0.0] for m in LINEAR_M}  # M -> [us, cublas_us, floor_us] per decode step
@@ -570,7 +634,7 @@ def bench_linear() -> list[dict]:
                 continue
             times = 1 if name == "lm_head" else spec["layers"]
             for m in LINEAR_M:
-                row = _bench_matrix(model, name, *shape, m)
+                row = _bench_matrix(bandwidth, model, name, *shape, m)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 for i, key in enumerate(("us", "cublas_us", "floor_us")):
@@ -599,7 +663,7 @@ def _tile_configs(m: int):
                 yield bm, bn, bk, warps, stages
 
 
-def sweep_linear_tiles() -> None:
+def sweep_linear_tiles(bandwidth: float) -> None:
     """The sweep behind kernels._linear_blocks' tl.dot tiles: each Qwen3-0.6B matrix at TILE_ROWS rows, as a
     chain of TILE_LAYERS calls in one CUDA graph (so programmatic dependent launch overlaps call with call,
     as in a step), for cuBLAS, the engine's own tiles and every tile of _tile_configs; us per call."""
@@ -613,7 +677,7 @@ def sweep_linear_tiles() -> None:
             x, out = torch.randn(m, k, device="cuda", dtype=BF16), torch.empty(m, n, device="cuda", dtype=BF16)
             ref = torch.nn.functional.linear(x, ws[0])
             chain = lambda fn: _time_us(lambda: [fn(w) for w in ws], rep=TILE_REP_MS) / copies
-            row = dict(kernel="linear_tiles", M=m, matrix=name, floor_us=round(n * k * BYTES / BANDWIDTH * 1e6, 2),
+            row = dict(kernel="linear_tiles", M=m, matrix=name, floor_us=round(n * k * BYTES / bandwidth * 1e6, 2),
                        cublas_us=round(chain(lambda w: torch.nn.functional.linear(x, w)), 2),
                        engine_tile=kernels._linear_blocks(m, n, k, BYTES),
                        engine_us=round(chain(lambda w: kernels.linear(x, w)), 2))
@@ -637,7 +701,11 @@ def cmd_kernels(a):
     for g in groups:
         if g not in KERNEL_GROUPS:
             raise ValueError(f"--only has {g!r}; choose from {', '.join(KERNEL_GROUPS)}")
-    bench_kernels(groups)
+    if not torch.cuda.is_available():
+        raise ValueError("run.py kernels needs a CUDA device")
+    bandwidth = floor_bandwidth(a, "cuda")
+    emit(dict(device=torch.cuda.get_device_name(), **bandwidth_fields(*bandwidth)))
+    bench_kernels(bandwidth[0], groups)
 
 
 class Parser(argparse.ArgumentParser):
@@ -653,55 +721,103 @@ def positive(text: str) -> int:
     return n
 
 
-def parse_args(argv=None):
-    p = Parser(prog="run.py", description=__doc__.splitlines()[0])
+def by_device(name: str, what: str) -> str:
+    """Help for a bench flag whose default depends on the device (BENCH_DEFAULTS)."""
+    on_cuda, on_cpu = BENCH_DEFAULTS[name]
+    return f"{what} (default: {on_cuda} on CUDA, {on_cpu} on the CPU)"
+
+
+def make_parser() -> Parser:
+    """Every flag's help says its unit and its default; every command's says how long its defaults take."""
+    p = Parser(prog="run.py", description=__doc__.splitlines()[0],
+               epilog="Results: JSON lines on stdout (generate: its text, unless --json). Progress: stderr. "
+                      "`run.py COMMAND --help` for each command's flags and time.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     common = Parser(add_help=False)
-    common.add_argument("--model", default="tiny", help=f"checkpoint folder or preset: {', '.join(PRESETS)}")
+    common.add_argument("--model", default="tiny",
+                        help=f"checkpoint folder or preset: {', '.join(PRESETS)} (default: %(default)s)")
     common.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    common.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: by device)")
-    common.add_argument("--seed", type=int, default=0)
-    common.add_argument("--bandwidth", type=float, default=BANDWIDTH, help="bytes/s for the floor")
+    common.add_argument("--dtype", default=None,
+                        help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on the CPU)")
+    common.add_argument("--seed", type=int, default=0,
+                        help="seed of the random prompts, or of sampling for generate (default: %(default)s)")
     common.add_argument("--triton-linear-rows", type=int, default=None,
                         help="matmuls of up to N rows (0-256) in Triton, not cuBLAS (default: by the model on CUDA, "
                              "0 on the CPU)")
     common.add_argument("--triton-narrow-rows", type=int, default=None,
                         help="... and narrow ones (<= 4096 outputs) up to N rows, if more (default: by the model)")
-    g = sub.add_parser("generate", parents=[common], help="generate from one prompt")
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the CLI's default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--json", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true", default=None)
-    o = sub.add_parser("overhead", parents=[common], help="decode a batch under each configuration")
-    o.add_argument("--requests", type=positive, default=16)
-    o.add_argument("--slots", type=positive, default=None, help="max_num_seqs (default: --requests)")
-    o.add_argument("--new-tokens", type=positive, default=64)
-    o.add_argument("--prompt-len", type=positive, default=32)
-    o.add_argument("--num-blocks", type=positive, default=None)
-    o.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
-    b = sub.add_parser("bench", parents=[common], help="offline throughput (nano-vllm's protocol)")
-    b.add_argument("--num-requests", type=positive, default=256)
-    b.add_argument("--min-len", type=positive, default=100)
-    b.add_argument("--max-len", type=positive, default=1024)
-    b.add_argument("--max-num-seqs", type=positive, default=256)
+    floors = Parser(add_help=False)  # the commands that report a bandwidth floor
+    floors.add_argument("--bandwidth", type=float, default=None,
+                        help="the device's memory bandwidth in bytes/s, for the floors (default: measured by a "
+                             "large copy on the device, under a second; an H200 measures about 4.27e12)")
+
+    def command(name: str, text: str, parents=(common,)) -> Parser:
+        return sub.add_parser(name, parents=list(parents), help=text, description=text)
+
+    g = command("generate", "generate from one prompt: its text, or its token ids (2-core CPU: ~10 s)")
+    g.add_argument("--prompt", default=None,
+                   help="the prompt as text; needs the model's tokenizer.json (default: none, give --prompt-ids)")
+    g.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids (default: none)")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the most likely tokens that hold this share of the probability; 1 = all "
+                        "(default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=-1,
+                   help="sample from this many most likely tokens; -1 = all (default: %(default)s)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON line (ids, text, finish reason) (default: off, the text or the ids)")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs (default: graphs on CUDA, eager on the CPU)")
+    o = command("overhead", "decode a batch under each configuration: a JSON header line (the bandwidth floor of "
+                "a step), then one line per configuration (2-core CPU: ~1 min)", (common, floors))
+    o.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
+    o.add_argument("--slots", type=positive, default=None,
+                   help="max_num_seqs, requests the engine batches at most (default: --requests)")
+    o.add_argument("--new-tokens", type=positive, default=64,
+                   help="tokens each request generates (default: %(default)s)")
+    o.add_argument("--prompt-len", type=positive, default=32,
+                   help="tokens in each random prompt (default: %(default)s)")
+    o.add_argument("--num-blocks", type=positive, default=None,
+                   help="KV cache blocks of 16 tokens (default: 512 MiB of cache on the CPU, "
+                        "gpu_memory_utilization=0.9 of the GPU on CUDA)")
+    o.add_argument("--configs", default=None,
+                   help=f"comma-separated subset of {','.join(CONFIGS)} (default: all; graphs only on CUDA)")
+    b = command("bench", "offline throughput, nano-vllm's protocol: one JSON line (2-core CPU: ~1-2 min)",
+                (common, floors))
+    b.add_argument("--num-requests", type=positive, default=None, help=by_device("num_requests", "requests"))
+    b.add_argument("--min-len", type=positive, default=None,
+                   help=by_device("min_len", "fewest tokens in a prompt, and to generate"))
+    b.add_argument("--max-len", type=positive, default=None,
+                   help=by_device("max_len", "most tokens in a prompt, and to generate"))
+    b.add_argument("--max-num-seqs", type=positive, default=256,
+                   help="requests the engine batches at most (default: %(default)s)")
     b.add_argument("--max-num-batched-tokens", type=positive, default=16384,
-                   help="tokens per step (nano-vllm's default): prompts go in a few large chunks")
-    b.add_argument("--sync", action="store_true", help="sync scheduling (default: async)")
-    b.add_argument("--enforce-eager", action="store_true", default=None)
-    r = sub.add_parser("profile", parents=[common], help="Chrome traces of decode steps per configuration")
-    r.add_argument("--requests", type=positive, default=16)
-    r.add_argument("--prompt-len", type=positive, default=32)
-    r.add_argument("--steps", type=positive, default=10)
-    r.add_argument("--configs", default=None)
-    r.add_argument("--out", default="traces")
-    r.add_argument("--with-cpu", action="store_true", help="on CUDA, trace the host's ops too (slows the host)")
-    k = sub.add_parser("kernels", parents=[common], help="Triton kernels vs torch references (CUDA)")
-    k.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(KERNEL_GROUPS)}")
-    return p.parse_args(argv)
+                   help="tokens per step: prompts go in a few large chunks (default: %(default)s, nano-vllm's)")
+    b.add_argument("--sync", action="store_true", help="sync scheduling (default: off, async)")
+    b.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs (default: graphs on CUDA, eager on the CPU)")
+    r = command("profile", "Chrome traces of decode steps per configuration, one JSON line each (2-core CPU: ~1 min)")
+    r.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
+    r.add_argument("--prompt-len", type=positive, default=32,
+                   help="tokens in each random prompt (default: %(default)s)")
+    r.add_argument("--steps", type=positive, default=10, help="decode steps traced (default: %(default)s)")
+    r.add_argument("--configs", default=None,
+                   help=f"comma-separated subset of {','.join(CONFIGS)} (default: all; graphs only on CUDA)")
+    r.add_argument("--out", default="traces", help="folder for the traces (default: %(default)s)")
+    r.add_argument("--with-cpu", action="store_true",
+                   help="on CUDA, trace the host's ops too, which slows the host (default: off, kernels only)")
+    k = command("kernels", "each Triton kernel against its torch reference and its bandwidth floor, one JSON "
+                "line per kernel and shape (CUDA only; a few minutes on an H200)", (floors,))
+    k.add_argument("--only", default=None,
+                   help=f"comma-separated subset of {','.join(KERNEL_GROUPS)} "
+                        f"(default: {','.join(DEFAULT_KERNEL_GROUPS)}; tiles takes minutes)")
+    return p
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
 
 
 def main(argv=None):

@@ -17,14 +17,18 @@ import ast
 import json
 import math
 import random
+import gc
 import subprocess
 import sys
+import textwrap
+import weakref
 from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphs
 import kernels
@@ -848,6 +852,50 @@ def test_bad_models_are_refused(tmp_path, ckpt_dirs):
 
 
 # ==========================================================================================================
+# Engines come and go: close(), `with`, and refcount alone give their memory back
+# ==========================================================================================================
+
+
+def test_close_frees_the_engine_and_later_use_is_a_clear_error():
+    with LLM("tiny") as llm:
+        assert len(llm.generate([[1, 2, 3]], greedy(4))[0].token_ids) == 4
+        kv_cache, weights = weakref.ref(llm.engine.runner.kv_cache), weakref.ref(llm.engine.model)
+    # llm still holds the engine, and close() let go of its memory anyway
+    assert kv_cache() is None and weights() is None, "close() left the KV cache or the weights alive"
+    engine = llm.engine
+    for use in (lambda: llm.generate([[1, 2]], greedy(2)), lambda: engine.add_request([1, 2]), engine.step,
+                engine.step_async, engine.has_unfinished, lambda: engine.abort("0")):
+        with pytest.raises(ValueError, match="engine is closed"):
+            use()
+    llm.close()  # a second close does nothing
+    with Engine(model="tiny", async_scheduling=True) as engine:
+        engine.add_request([1, 2, 3], greedy(3))
+        engine.step_async()  # leaves a step in flight: close() must wait for it, not crash
+    with pytest.raises(ValueError, match="engine is closed"):
+        engine.step_async()
+
+
+def test_a_dropped_engine_is_freed_by_refcount_alone():
+    """A fresh process, as a notebook's first engine, with the cycle collector off: each engine, and its KV
+    cache, is gone right after `del`. A reference cycle through the engine keeps it alive here."""
+    script = textwrap.dedent("""
+        import gc, weakref
+        gc.disable()
+        import nanoengine
+        for settings in ({}, {"async_scheduling": True}, {"fuse": False}, {"enforce_eager": False}):
+            llm = nanoengine.LLM("tiny", device="cpu", **settings)
+            llm.generate([[1, 2, 3]] * 3, nanoengine.SamplingParams(max_tokens=4))
+            engine, kv_cache = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+            del llm
+            assert engine() is None and kv_cache() is None, f"{settings}: the engine outlived its last reference"
+        print("freed")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=HERE,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode == 0 and r.stdout.strip() == "freed", r.stderr[-2000:]
+
+
+# ==========================================================================================================
 # Fusion
 # ==========================================================================================================
 
@@ -1309,14 +1357,53 @@ def cli(*args, timeout=300):
                           timeout=timeout, cwd=HERE, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
 
 
+def is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
+
+
 def test_cli_overhead_prints_every_configuration():
     r = cli("overhead", "--requests", "4", "--new-tokens", "6")
     assert r.returncode == 0, r.stderr
-    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    lines = [json.loads(line) for line in r.stdout.splitlines()]  # stdout: JSON lines only (`| jq` works)
     assert lines[0]["device"] == "cpu" and lines[0]["requests"] == 4 and lines[0]["floor_ms"] > 0
+    assert lines[0]["bandwidth_source"] == "measured" and lines[0]["bandwidth_gb_s"] > 0
     assert [x["config"] for x in lines[1:]] == ["eager", "fused", "fused+async"]
     for x in lines[1:]:
         assert x["same_tokens"] is True and x["steps"] > 0 and x["tok_s"] > 0 and x["host_ms_per_step"] > 0
+    # stderr: progress for a person, a few lines a configuration, and not the results again
+    progress = r.stderr.splitlines()
+    assert not [line for line in progress if is_json(line)], r.stderr
+    for name in ("eager", "fused", "fused+async"):
+        assert any(line.startswith(f"{name}: ready in") for line in progress), r.stderr
+
+
+def test_cli_floors_use_the_bandwidth_given_or_measured():
+    r = cli("overhead", "--requests", "2", "--new-tokens", "3", "--configs", "fused", "--bandwidth", "1e11")
+    header = json.loads(r.stdout.splitlines()[0])
+    assert header["bandwidth_source"] == "--bandwidth" and header["bandwidth_gb_s"] == 100.0, header
+    assert "0.100 TB/s" in header["floor_note"]
+    sys.path.insert(0, HERE)
+    import run
+    measured = run.measure_bandwidth("cpu")
+    assert 1e8 < measured < 1e13 and measured != 4.27e12  # bytes/s of this machine, not the H200's
+
+
+def test_cli_help_states_every_default_and_each_command_its_time():
+    sys.path.insert(0, HERE)
+    import run
+    commands = next(a for a in run.make_parser()._actions if a.dest == "cmd").choices
+    assert set(commands) == {"generate", "overhead", "bench", "profile", "kernels"}
+    for name, parser in commands.items():
+        assert "CPU: ~" in parser.description or "H200" in parser.description, name
+        for action in parser._actions:
+            if action.dest != "help":
+                assert "default" in (action.help or ""), f"run.py {name} {action.option_strings[0]}: no default"
+    r = cli("bench", "--help")
+    assert r.returncode == 0 and "(default: 256 on CUDA, 64 on the CPU)" in " ".join(r.stdout.split())
 
 
 def test_cli_generate_and_bench_and_profile(tmp_path):
@@ -1325,6 +1412,9 @@ def test_cli_generate_and_bench_and_profile(tmp_path):
     r = cli("bench", "--num-requests", "3", "--min-len", "4", "--max-len", "12")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["output_tokens"] > 0 and rec["output_tok_s"] > 0
+    assert rec["bandwidth_source"] == "measured" and "bench: warm-up" in r.stderr
+    r = cli("bench", "--min-len", "300")  # past the CPU's default --max-len
+    assert r.returncode == 2 and "--min-len 300 is more than --max-len 128" in r.stderr, r.stderr
     r = cli("profile", "--requests", "2", "--steps", "2", "--configs", "fused", "--out", str(tmp_path))
     assert r.returncode == 0 and os.path.exists(json.loads(r.stdout)["trace"])
 
@@ -1432,6 +1522,30 @@ def test_gpu_replays_allocate_nothing():
     m0 = torch.cuda.memory_allocated()
     run(engine, mixed_prompts(16, 4096, seed=20), greedy(30))
     assert torch.cuda.memory_allocated() <= m0 + (1 << 20), "memory grew across many steps"
+
+
+@needs_cuda
+def test_gpu_default_engines_one_after_another_get_the_same_kv_cache():
+    """Default settings (90% of the GPU, graphs): one dropped with `del`, one closed by `with`, one by
+    close(); each gets as many KV blocks as the first and generates the same tokens."""
+    prompts, params = mixed_prompts(3, 4096, seed=21), greedy(8)
+    gc.disable()  # the first must go by refcount alone
+    try:
+        llm = nanoengine.LLM("tiny", device="cuda")
+        blocks = llm.engine.scheduler.blocks.num_blocks
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        kv_cache = weakref.ref(llm.engine.runner.kv_cache)
+        del llm
+        assert kv_cache() is None, "the dropped engine's KV cache outlived it"
+    finally:
+        gc.enable()
+    with nanoengine.LLM("tiny", device="cuda") as llm:
+        assert llm.engine.scheduler.blocks.num_blocks == blocks
+        assert [o.token_ids for o in llm.generate(prompts, params)] == tokens
+    llm = nanoengine.LLM("tiny", device="cuda")
+    assert llm.engine.scheduler.blocks.num_blocks == blocks
+    assert [o.token_ids for o in llm.generate(prompts, params)] == tokens
+    llm.close()
 
 
 @needs_cuda
@@ -1944,6 +2058,48 @@ def _check_decode_attention(monkeypatch, with_norm, h, hkv, seq_lens, one_launch
 def test_kernel_paged_attention_all_padding():
     out = _check_attention([1, 1], [0, 0], h=2, hkv=1, d=16, page=4, max_blocks=3, seed=26, num_splits=2)
     assert out.abs().max() == 0
+
+
+def test_kernel_paged_attention_ref_in_small_chunks(monkeypatch):
+    """The reference cut into chunks of 3 queries, one chunk at a time, against the kernel: chunk edges
+    inside prompts, decode rows, a padding row (seq_len 0) and a request with no new token."""
+    monkeypatch.setattr(kernels, "ATTN_REF_QUERY_CHUNK", 3)
+    monkeypatch.setattr(kernels, "ATTN_REF_ELEMENTS", 1)
+    _check_attention([5, 3, 1, 0, 1, 7], [5, 70, 19, 4, 0, 130], h=4, hkv=2, d=32, page=4, max_blocks=34, seed=30)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op made while active: a peak-memory gauge that works on the CPU,
+    where torch keeps no allocator statistics (every op's outputs pass through here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_attention_ref_memory_does_not_grow_with_the_square_of_a_long_prompt():
+    """A 4,096-token prompt: its whole score matrix is 4 heads x 4,096 x 4,096 = 67M elements, which
+    `run.py bench` on the CPU (16,384 tokens a step) once built at tens of GB. The reference's tensors stay
+    within ATTN_REF_ELEMENTS (16M), and its rows are still right on either side of a chunk's edge."""
+    n, h, hkv, d = 4096, 4, 2, 16
+    q, tensors = _attention_case([n], [n], h, hkv, d, page=16, max_blocks=n // 16, seed=31)
+    gauge = LargestTensor()
+    with gauge:
+        out = kernels.paged_attention_ref(q, *tensors, d**-0.5, n)
+    assert gauge.largest <= kernels.ATTN_REF_ELEMENTS < h * n * n, gauge.largest
+    k_cache, v_cache, _, _, block_table = tensors
+    k, v = (c[block_table[0].long()].reshape(n, hkv, d).repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+            for c in (k_cache, v_cache))
+    for i in (0, 63, 64, 2500, n - 1):  # query i sees keys 0..i
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[i], k[:i + 1]) * d**-0.5, dim=-1)
+        torch.testing.assert_close(out[i], torch.einsum("hl,lhd->hd", p, v[:i + 1]), atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------
