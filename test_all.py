@@ -1411,6 +1411,42 @@ def test_kernel_add_rmsnorm_in_place(monkeypatch, rows, dim, min_programs):
     torch.testing.assert_close(out, out_ref, **F32_TOL)
 
 
+# Activations are not unit-scale: hidden states grow to 1e2 and more through the layers, and a head or a
+# row can sit near 1e-3. There mean(x^2) ~ 1e-6 = eps, so a norm that adds eps anywhere but beside the
+# mean inside the rsqrt is off by tens of percent, while at unit scale the same bug is off by ~1e-6.
+NORM_SCALES = (1e-3, 1.0, 1e2)
+NORM_EPS = 1e-6  # Qwen3's rms_norm_eps
+# A norm's output is unit-scale whatever its input's (the residual sum keeps the input's), so its budget
+# is relative to each output row: F32_TOL's, a sum of D <= 64 squares and a few operations an element.
+NORM_RTOL = 1e-5
+
+
+def _rows_at_scales(*shape, seed: int) -> torch.Tensor:
+    """randn(*shape), row i (along dim 0) scaled by NORM_SCALES[i % 3]."""
+    scales = torch.tensor(NORM_SCALES, device=DEVICE).repeat(shape[0])[: shape[0]]
+    return _randn(*shape, seed=seed) * scales.view(-1, *[1] * (len(shape) - 1))
+
+
+def _assert_close_per_row(out: torch.Tensor, ref: torch.Tensor, rtol: float = NORM_RTOL) -> None:
+    """|out - ref| within rtol of the largest |ref| of its row (the last dim), at every row's scale."""
+    err = ((out - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+    assert err <= rtol, f"off by {err:.1e} of a row's largest value; the budget is {rtol:.0e}"
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_kernel_rmsnorm_at_activation_magnitudes(add):
+    """rmsnorm and add_rmsnorm on rows at 1e-3, 1 and 1e2, where eps's place shows (NORM_SCALES)."""
+    x, w = _rows_at_scales(6, 64, seed=80), 1 + 0.1 * _randn(64, seed=81)
+    if add:
+        residual = _rows_at_scales(6, 64, seed=82)
+        out, new_residual = kernels.add_rmsnorm(x, residual.clone(), w, NORM_EPS)
+        ref, ref_residual = kernels.add_rmsnorm_ref(x, residual.clone(), w, NORM_EPS)
+        assert torch.equal(new_residual, ref_residual), "one float32 add each side: exact"
+    else:
+        out, ref = kernels.rmsnorm(x, w, NORM_EPS), kernels.rmsnorm_ref(x, w, NORM_EPS)
+    _assert_close_per_row(out, ref)
+
+
 @pytest.mark.parametrize("rows,inter", [(1, 24), (5, 1100)])  # 1100 > one 1024-wide block
 def test_kernel_silu_and_mul(rows, inter):
     x = _randn(rows, 2 * inter + 8, seed=8)[:, : 2 * inter]  # strided rows
@@ -1609,6 +1645,24 @@ def test_kernel_rope_write_kv(with_norm, t, h, hkv, d):
                                **F32_TOL)
 
 
+def test_kernel_rope_write_kv_norm_at_activation_magnitudes():
+    """Qwen3's per-head q and k norm, on the heads of tokens at 1e-3, 1 and 1e2 (NORM_SCALES): q rotated
+    in place and k in its cache slot, against the reference, to the budget of each head's output."""
+    t, h, hkv, d = 3, 2, 1, 16
+    positions, slots = torch.tensor([5, 0, 9], device=DEVICE), torch.tensor([0, 6, 3], device=DEVICE)
+    cos_sin, norms = _randn(16, d, seed=90), (1 + 0.1 * _randn(d, seed=91), 1 + 0.1 * _randn(d, seed=92))
+    results = []
+    for fn in (kernels.rope_write_kv, kernels.rope_write_kv_ref):
+        qkv = _rows_at_scales(t, (h + 2 * hkv) * d, seed=93)  # token i's heads all at NORM_SCALES[i]
+        q, k, v = qkv[:, : h * d].view(t, h, d), *qkv[:, h * d:].view(t, 2, hkv, d).unbind(1)
+        k_cache, v_cache = torch.zeros(2, 3, 4, hkv, d, device=DEVICE)  # 2 blocks of 4 and the scratch block
+        fn(q, k, v, k_cache, v_cache, slots, positions, cos_sin, *norms, eps=NORM_EPS)
+        results.append((q, k_cache.view(-1, hkv, d)[slots]))
+    (q, k), (q_ref, k_ref) = results
+    _assert_close_per_row(q, q_ref)
+    _assert_close_per_row(k, k_ref)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Paged attention
 # ---------------------------------------------------------------------------------------------------
@@ -1767,6 +1821,27 @@ def _check_decode_attention(monkeypatch, with_norm, h, hkv, seq_lens, one_launch
     with pytest.raises(ValueError, match=f"one token per request: q has {b + 1} tokens, seq_lens {b} requests"):
         kernels.decode_attention(*bad, k_cache, v_cache, slots, positions, sl, bt, cos_sin, d**-0.5, *norms)
     return launches
+
+
+def test_kernel_decode_attention_norm_at_activation_magnitudes():
+    """decode_attention with RoPE inside normalizes each q and k head itself: request i's at NORM_SCALES[i].
+    Its keys, written to the cache, to each head's budget; its output to attention's."""
+    h, hkv, d, page, seq_lens = 2, 1, 16, 4, [3, 6, 9]
+    b = len(seq_lens)
+    assert not kernels._past_one_wave(b * hkv, DEVICE), "one launch: the norm made in the attention kernel"
+    q, (k_cache, v_cache, _, sl, bt) = _attention_case([1] * b, seq_lens, h, hkv, d, page, 3, seed=94)
+    q = q * torch.tensor(NORM_SCALES, device=DEVICE)[:, None, None]
+    k, v = _rows_at_scales(b, hkv, d, seed=95), _randn(b, hkv, d, seed=96)
+    slots = torch.stack([bt[r, (s - 1) // page].long() * page + (s - 1) % page for r, s in enumerate(seq_lens)])
+    cos_sin, norms = _randn(16, d, seed=97), (1 + 0.1 * _randn(d, seed=98), 1 + 0.1 * _randn(d, seed=99))
+    results = []
+    for fn in (kernels.decode_attention, kernels.decode_attention_ref):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = fn(q.clone(), k, v, kc, vc, slots, sl.long() - 1, sl, bt, cos_sin, d**-0.5, *norms, eps=NORM_EPS)
+        results.append((out, kc.view(-1, hkv, d)[slots]))
+    (out, keys), (ref, ref_keys) = results
+    _assert_close_per_row(keys, ref_keys)
+    torch.testing.assert_close(out, ref, **ATTN_TOL)
 
 
 def test_kernel_paged_attention_all_padding():
@@ -2091,6 +2166,21 @@ def test_kernel_add_rmsnorm_linear_matches_ref(monkeypatch, m, first_layer):
                                                  max_rows=0)
     torch.testing.assert_close(out2, ref_out, **LINEAR_TOL)
     assert torch.equal(residual2, ref_residual)
+
+
+def test_kernel_add_rmsnorm_linear_norm_at_activation_magnitudes(monkeypatch):
+    """The norm made inside the one-row matmul, on rows at 1e-3, 1 and 1e2 (NORM_SCALES): the outputs are
+    unit-scale at each, so LINEAR_TOL is relative to them."""
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 2)
+    k, n = 64, 32
+    assert kernels._linear_blocks(1, n, k, 4)[1] >= kernels.LINEAR_NORM_MIN_BLOCK_N, "the norm inside"
+    w, g = _randn(n, k, seed=100) * k**-0.5, 1 + 0.1 * _randn(k, seed=101)
+    x, residual = _rows_at_scales(3, k, seed=102), _rows_at_scales(3, k, seed=103)
+    for i in range(3):
+        out, new_residual = kernels.add_rmsnorm_linear(x[i:i + 1], residual[i:i + 1].clone(), g, NORM_EPS, w)
+        ref, ref_residual = kernels.add_rmsnorm_linear_ref(x[i:i + 1], residual[i:i + 1].clone(), g, NORM_EPS, w)
+        assert torch.equal(new_residual, ref_residual), f"scale {NORM_SCALES[i]}"
+        torch.testing.assert_close(out, ref, **LINEAR_TOL, msg=lambda m: f"scale {NORM_SCALES[i]}: {m}")
 
 
 # Programmatic dependent launch (see kernels._wait_for_inputs). Compiled for an H200 (sm_90) without one:
