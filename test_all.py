@@ -444,6 +444,23 @@ def test_prefix_cache_hits_blocks_filled_while_decoding(ckpt_dirs, use_async):
     check_clean(engine)
 
 
+def test_prefix_cache_hits_after_evictions(ckpt_dirs):
+    """Under cache pressure the engine evicts the least recently freed blocks, a prefix's tail first: the
+    prompts it keeps coming back to keep their prefix, and tokens from cached blocks stay right."""
+    cfg, sd, folder = ckpt_dirs["llama"]
+    rng = random.Random(6)
+    a, b, c = ([rng.randrange(cfg["vocab_size"]) for _ in range(n)] for n in (9, 9, 17))
+    engine = Engine(model=folder, block_size=4, num_blocks=8)  # a and b take 3 blocks each (2 cacheable), c 5
+    hits = []
+    for prompt in (a, b, a, c, a, b):  # c finds 4 blocks free and evicts 1: b's tail, b being freed before a
+        before = engine.scheduler.num_cached_tokens
+        out = run(engine, [prompt], greedy(1))[0]
+        hits.append(engine.scheduler.num_cached_tokens - before)
+        assert out.token_ids == ref_greedy(sd, cfg, prompt, 1)
+    assert hits == [0, 0, 8, 0, 8, 4], "prefix tokens found in the cache, run by run"
+    check_clean(engine)
+
+
 def test_release_of_many_requests_equals_their_releases_one_by_one():
     """Requests that finish on one step give their blocks back in one call: the cache must end up as if
     each had been released alone, in order (the same publishes, the same LRU order of cached-free blocks,
@@ -473,6 +490,43 @@ def test_release_of_many_requests_equals_their_releases_one_by_one():
     reqs[0].block_ids = [next(iter(many.cached_free))]
     with pytest.raises(AssertionError, match="freed twice"):
         many.release(reqs[:1])
+
+
+def _serve_prompt(bm: scheduler.BlockManager, tokens: list[int]) -> list[int]:
+    """What the scheduler does with a prompt that is computed and finishes: it takes its cached prefix,
+    blocks for the rest, publishes its full blocks, and gives them all back. Returns the cached blocks."""
+    req = scheduler.Request("r", list(tokens), SamplingParams(), 0)
+    hit = bm.cached_prefix(req)
+    bm.use_cached(req, hit)
+    assert bm.allocate(req, len(tokens) - req.num_computed_tokens)
+    req.num_computed_tokens = len(tokens)
+    bm.publish(req, len(tokens))
+    bm.release([req])
+    return hit
+
+
+def _prefix_hits(bm: scheduler.BlockManager, tokens: list[int]) -> int:
+    return len(bm.cached_prefix(scheduler.Request("probe", list(tokens), SamplingParams(), 0)))
+
+
+def test_prefix_cache_evicts_the_least_recently_freed_block_tail_first():
+    """Cached-free blocks are evicted only once no never-published block is left, the least recently freed
+    first, and of one request's blocks the last first, so a prefix loses its tail before its head: a
+    prompt seen again after evictions still finds what is left of its prefix."""
+    bm = scheduler.BlockManager(num_blocks=8, block_size=4)
+    a, b = list(range(100, 109)), list(range(200, 209))  # 9 tokens: 2 full blocks (cacheable) and 1 more
+    assert _serve_prompt(bm, a) == [] and _serve_prompt(bm, b) == []
+    assert _serve_prompt(bm, a) == [0, 1], "a's prefix, found again"  # and freed again: now newer than b's
+    assert len(bm.cached_free) == 4 and len(bm.free) == 4
+    c = scheduler.Request("c", list(range(300, 317)), SamplingParams(), 0)  # 17 tokens: 5 blocks, 1 evicted
+    assert bm.allocate(c, 17) and len(bm.cached_free) == 3
+    assert _prefix_hits(bm, a) == 2, "a was freed last: none of its blocks goes"
+    assert _prefix_hits(bm, b) == 1, "b's tail goes, its head stays"
+    d = scheduler.Request("d", [400], SamplingParams(), 0)
+    assert bm.allocate(d, 1)  # the next eviction: b's head, still before any of a's
+    assert _prefix_hits(bm, a) == 2 and _prefix_hits(bm, b) == 0
+    bm.release([c, d])
+    assert _serve_prompt(bm, a) == [0, 1], "a's prefix survived both evictions"
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
