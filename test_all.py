@@ -541,6 +541,48 @@ def test_preemption_matches_reference(ckpt_dirs, arch):
     check_clean(engine)
 
 
+def test_preemption_takes_the_newest_request_and_recomputes_it(ckpt_dirs, monkeypatch):
+    """When a running request needs a block and none is free, the most recently arrived of the others not
+    yet scheduled in this step is preempted, as in vLLM: it gives back its blocks, forgets its KV and
+    waits at the head of the queue, before requests that arrived after it; readmitted, it recomputes its
+    prompt and the tokens it had generated (past any prefix still cached), and ends as it would have."""
+    cfg, _, folder = ckpt_dirs["qwen3"]
+    # a's 7 tokens cross a block boundary two steps before b, c and d's 5 do; e waits for a sequence slot.
+    prompts = mixed_prompts(5, cfg["vocab_size"], seed=7, lengths=(7, 5, 5, 5, 5))
+    engine = Engine(model=folder, block_size=4, num_blocks=8, max_num_seqs=4)  # 8 blocks: 2 each for a-d
+    sched = engine.scheduler
+    victims, plans, schedule, preempt = [], [], sched.schedule, sched._preempt
+
+    def recording_preempt(req):
+        unscheduled = [r.request_id for r in sched.running if r.last_step != sched.step_id]
+        victims.append((req.request_id, unscheduled))
+        preempt(req)
+
+    def recording_schedule():
+        out = schedule()
+        plans.append(([(r.request_id, start, n, len(r.token_ids)) for r, start, n in
+                       zip(out.requests, out.starts.tolist(), out.num_tokens)],
+                      [(r.request_id, r.status, r.num_computed_tokens, list(r.block_ids)) for r in sched.waiting]))
+        return out
+
+    monkeypatch.setattr(sched, "_preempt", recording_preempt)
+    monkeypatch.setattr(sched, "schedule", recording_schedule)
+    outs = run(engine, prompts, greedy(10))
+    a, b, c, d, e = (o.request_id for o in outs)
+    # Step 3: a computes its 9th token and needs a third block. b, c and d wait their turn in this step;
+    # the newest of them, d, goes (oldest-first would take b), and a, b and c decode.
+    assert victims[0] == (d, [a, b, c, d]), "a grows; of b, c and d, the newest goes"
+    step, first = next((i, p) for i, p in enumerate(plans) if any(r == d for r, *_ in p[1]))
+    assert [r for r, *_ in first[0]] == [a, b, c]
+    assert first[1] == [(d, "waiting", 0, []), (e, "waiting", 0, [])], "d, KV forgotten, waits before e"
+    # Its next plan recomputes the tokens it had, all but a cached prefix of whole prompt blocks, in one chunk.
+    start, n, length = next(x[1:] for plan, _ in plans[step + 1:] for x in plan if x[0] == d)
+    assert start in (0, 4) and n > 1 and start + n == length > len(prompts[3])
+    unpressured = run(Engine(model=folder, block_size=4), prompts, greedy(10))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in unpressured]
+    check_clean(engine)
+
+
 def test_stops_on_eos_stop_ids_and_max_len(ckpt_dirs):
     cfg, sd, folder = ckpt_dirs["qwen3"]
     p = mixed_prompts(1, cfg["vocab_size"], seed=5, lengths=(20,))[0]
