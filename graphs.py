@@ -1,128 +1,181 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, with padding rows that cannot do harm.
+"""CUDA graphs: a step's forward recorded once per bucket and replayed, with padding that cannot do harm.
 
 A decode step of a small model is hundreds of tiny kernels; launching them one by one from Python costs
 more than running them. A CUDA graph records the launches once and replays them with one call. A graph
 replays fixed addresses and fixed grids, so:
 - every input lives in a static buffer sized for the largest bucket, and a step copies its values in;
-- a batch of B requests replays the smallest bucket b >= B; rows B..b-1 are padding: token 0 at position
-  0, slot -1 (its KV goes to the scratch block, which the block manager never hands out) and seq_len 0
-  (attention returns zeros and reads no KV), so they cannot touch a real request;
-- the metadata the graph was captured with holds the bucket's host-side sizes, never the step's;
-- where the forward's kernels depend on how long the contexts are (a big batch of short contexts packs
-  several kv heads into one attention program: kernels.decode_context_bounds), a bucket has one graph
-  per side of each bound, and a step replays the one its longest context allows.
+- a step replays the smallest bucket that holds it: a decode step (one token per request) by its number
+  of requests, a step with prompt tokens by its number of tokens;
+- the padding fills the bucket with tokens that cannot touch a real request: token 0 at position 0, slot
+  -1 (its KV goes to the scratch block, which the block manager never hands out), owned by padding
+  requests of seq_len 0 (attention reads no KV for them and returns zeros);
+- the Batch a graph was captured with holds the bucket's sizes (rows, max_query_len, max_seq_len), never
+  a step's: the kernels' grids and tiles are fixed at capture, and the real lengths are only data;
+- outputs go to static buffers too (the decode graphs' logits, the prompt graphs' hidden states), so the
+  graphs share one memory pool: it holds the largest graph's activations, not every graph's outputs;
+- where the forward's kernels depend on how long the contexts are (Part 2's packed decode attention), a
+  decode bucket has one graph per side of each bound, and a step replays the one its longest context allows.
 
+These are vLLM's "full" CUDA graphs (cudagraph_mode FULL): the whole forward, attention included, which
+works because paged attention reads every length from device buffers and sizes its grid from the bucket.
 On the CPU there are no graphs: the same static-buffer path runs eagerly, so CI tests its logic.
-Imports: nanoengine's Batch (lazily, to keep the dependency one way: nanoengine imports this file).
+Imports: scheduler's Batch (the type the model reads).
 """
 import gc
 import time
 
 import torch
 
+from scheduler import Batch
+
 
 def default_buckets(max_num_seqs: int) -> list[int]:
-    """Every bucket size, decided here only: fine steps where padding would waste most, then every 8."""
-    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 8, 8))
-    return sorted({min(s, max_num_seqs) for s in sizes})
+    """Decode buckets, decided here only: fine steps where padding would waste most, then every 8."""
+    return sorted({min(s, max_num_seqs) for s in [1, 2, 4, 8, *range(16, max_num_seqs + 8, 8)]})
+
+
+def default_token_buckets(max_num_batched_tokens: int, most: int = 2048) -> list[int]:
+    """Prompt-step buckets by tokens: powers of two to 256, then every 256 (padding under a quarter of a
+    step's compute past 256), up to `most`: a bigger step is compute-bound, and its launches are noise."""
+    top = min(max_num_batched_tokens, most)
+    return sorted({min(t, top) for t in [16, 32, 64, 128, *range(256, top + 256, 256)]})
 
 
 class GraphRunner:
-    def __init__(self, model, kv_cache: torch.Tensor, max_blocks_per_seq: int, buckets=None,
-                 max_num_seqs: int = 256, use_cuda_graphs: bool = True):
-        self.model, self.kv_cache = model, kv_cache
-        self.buckets = sorted(set(buckets or default_buckets(max_num_seqs)))
-        if self.buckets[0] < 1:
-            raise ValueError(f"graph_buckets={self.buckets} is invalid: sizes must be >= 1")
-        self.use_cuda_graphs = use_cuda_graphs
-        # Each bucket's graphs, by the longest context each serves: the model's bounds, then any context
-        self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]  # the longest the block table holds
-        self.bounds = {b: (*model.decode_context_bounds(b), self.max_seq_len) for b in self.buckets}
-        n, dev = self.buckets[-1], kv_cache.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)  # as the runner stages them
-        self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        # A decode row has one query token, so the query offsets never change: 0, 1, 2, ...
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        self.graphs, self.outputs = {}, {}
+    """Runs a step's forward through the graph of its bucket. model: nanoengine's Model (forward(batch,
+    kv_cache) -> hidden, compute_logits(hidden, out)). token_buckets empty: decode graphs only."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, max_blocks_per_seq: int, max_num_seqs: int,
+                 buckets: list[int], token_buckets: list[int], capture: bool):
+        self.model, self.kv_cache, self.capture_graphs = model, kv_cache, capture
+        self.buckets, self.token_buckets = sorted(set(buckets)), sorted(set(token_buckets))
+        if self.buckets[0] < 1 or (self.token_buckets and self.token_buckets[0] < 1):
+            raise ValueError(f"graph_buckets={self.buckets} and graph_token_buckets={self.token_buckets} are "
+                             "invalid: sizes must be >= 1")
+        self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]  # the longest context the block table holds
+        hkv = kv_cache.shape[4]
+        # Each decode bucket's graphs, by the longest context each serves: the model's bounds, then any.
+        self.bounds = {b: (*model.ops.decode_context_bounds(b, hkv), self.max_seq_len) for b in self.buckets}
+        dev, n_tok = kv_cache.device, max(self.buckets[-1], *self.token_buckets, 0)
+        n_seq = max_num_seqs + 1  # one more than a step can have: a padding request always fits
+        self.input_ids = torch.zeros(n_tok, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n_tok, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n_tok,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(n_seq, dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros(n_seq, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(n_seq + 1, dtype=torch.int32, device=dev)
+        # A decode row has one query token, so its query offsets and sampled rows never change: 0, 1, 2, ...
+        self.decode_qsl = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(self.buckets[-1], dtype=torch.int64, device=dev)
+        dtype, hidden = model.lm_head.weight.dtype, model.config.hidden_size
+        self.logits = torch.empty(self.buckets[-1], model.config.vocab_size, dtype=dtype, device=dev)
+        self.hidden = torch.empty(max(self.token_buckets, default=0), hidden, dtype=dtype, device=dev)
+        self.graphs = {}
         self.capture_seconds, self.capture_bytes = 0.0, 0
-        if use_cuda_graphs:
-            if not getattr(model, "graph_safe", False):
-                raise ValueError("CUDA graphs need a forward that never reads batch values on the host: "
-                                 "load the model with fuse=True and Triton kernels, or set enforce_eager=True")
+        self.rows_run = self.rows_real = 0  # padding waste: rows (decode) or tokens (prompt) run vs real
+        if capture:
+            if not model.graph_safe:
+                raise ValueError("CUDA graphs need a forward that never reads batch values on the host: load the "
+                                 "model with fuse=True and Triton kernels, or set enforce_eager=True")
             self.capture()
 
-    def batch(self, b: int, max_seq_len: int):
-        """The Batch of bucket b, over the static buffers. max_query_len is the bucket's (1) and max_seq_len
-        the graph's bound, fixed."""
-        from nanoengine import Batch
-        return Batch(input_ids=self.input_ids[:b], positions=self.positions[:b],
-                     slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
-                     seq_lens=self.seq_lens[:b], block_table=self.block_table[:b],
-                     logits_indices=self.logits_indices[:b], max_query_len=1, max_seq_len=max_seq_len)
+    # -- the Batch of each graph, over the static buffers ---------------------------------------------
+    def decode_batch(self, b: int, bound: int) -> Batch:
+        return Batch(input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+                     query_start_loc=self.decode_qsl[:b + 1], seq_lens=self.seq_lens[:b],
+                     block_table=self.block_table[:b], logits_indices=self.rows[:b], max_query_len=1,
+                     max_seq_len=bound)
 
-    def forward(self, b: int, max_seq_len: int) -> torch.Tensor:
-        hidden = self.model(self.batch(b, max_seq_len), self.kv_cache)  # (b, hidden): every decode row samples
-        return self.model.compute_logits(hidden)                         # (b, vocab)
+    def prompt_batch(self, t: int) -> Batch:
+        r = self._prompt_rows(t)
+        return Batch(input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
+                     query_start_loc=self.query_start_loc[:r + 1], seq_lens=self.seq_lens[:r],
+                     block_table=self.block_table[:r], logits_indices=self.rows[:0], max_query_len=t,
+                     max_seq_len=self.max_seq_len)
+
+    def _prompt_rows(self, t: int) -> int:
+        """Request rows of a prompt graph of t tokens: every request has a token, so at most t, and one
+        more for the padding tokens' request."""
+        return min(self.seq_lens.shape[0] - 1, t) + 1
+
+    def forward(self, key) -> None:
+        """The captured work: the model on a bucket's static Batch, its output into a static buffer."""
+        kind, size, bound = key
+        if kind == "decode":
+            hidden = self.model(self.decode_batch(size, bound), self.kv_cache)  # (b, hidden): every row samples
+            self.model.compute_logits(hidden, out=self.logits[:size])
+        else:
+            self.hidden[:size].copy_(self.model(self.prompt_batch(size), self.kv_cache))
+
+    def keys(self) -> list[tuple]:
+        """Every graph, largest first: the first sets the pool's size, and the rest fit in it."""
+        decode = [("decode", b, bound) for b in reversed(self.buckets) for bound in self.bounds[b]]
+        return [("prompt", t, 0) for t in reversed(self.token_buckets)] + decode
 
     @torch.inference_mode()
     def capture(self):
-        """Largest bucket first, so the smaller graphs fit in the memory pool the first one reserved."""
         gc.collect()  # so that no dropped object is freed mid-measurement
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache on entry: do it before measuring
-        # Reserved, not free, memory: the graphs' pool is reserved by the caching allocator, and frees of
-        # unrelated tensors during capture do not lower it.
+        # Reserved, not allocated: the pool is reserved by the caching allocator, and frees of unrelated
+        # tensors during capture do not lower it.
         reserved, t0, pool = torch.cuda.memory_reserved(), time.perf_counter(), None
-        for key in [(b, bound) for b in reversed(self.buckets) for bound in self.bounds[b]]:
-            self.forward(*key)  # warm up: compile Triton kernels, let cuBLAS pick its algorithms
+        for key in self.keys():
+            self.forward(key)  # warm up: compile the Triton kernels, let cuBLAS pick its algorithms
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[key] = self.forward(*key)
+                    self.forward(key)
             except RuntimeError as e:
-                raise ValueError(f"capturing the decode graph of batch {key[0]} failed: the forward read a "
-                                 f"batch value on the host or synchronised ({e}); set enforce_eager=True") from e
+                raise ValueError(f"capturing the {key[0]} graph of {key[1]} failed: the forward read a batch "
+                                 f"value on the host or synchronised ({e}); set enforce_eager=True") from e
             pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_reserved() - reserved
 
-    def can_run(self, out) -> bool:
-        """Only decode-only steps (one token per request, each sampling) that fit the largest bucket."""
-        return len(out.requests) <= self.buckets[-1] and out.is_decode
+    # -- a step -------------------------------------------------------------------------------------------
+    def key_for(self, batch: Batch) -> tuple | None:
+        """The graph a step replays, or None (it runs eagerly). Decode: the smallest bucket that holds its
+        requests and the smallest context bound its longest context allows. Otherwise by tokens."""
+        tokens, reqs = batch.input_ids.shape[0], batch.seq_lens.shape[0]
+        if batch.max_query_len == 1 and tokens == reqs and reqs <= self.buckets[-1]:
+            b = next(b for b in self.buckets if b >= reqs)
+            return "decode", b, next(bound for bound in self.bounds[b] if batch.max_seq_len <= bound)
+        if self.token_buckets and tokens <= self.token_buckets[-1]:
+            return "prompt", next(t for t in self.token_buckets if t >= tokens), 0
+        return None
 
-    def bucket_for(self, num_seqs: int) -> int:
-        return next(b for b in self.buckets if b >= num_seqs)
-
-    def key_for(self, batch) -> tuple[int, int]:
-        """(bucket, context bound) of the graph a decode batch replays: the smallest bucket that holds its
-        requests, and the smallest bound its longest context allows."""
-        b = self.bucket_for(batch.seq_lens.shape[0])
-        return b, next(bound for bound in self.bounds[b] if batch.max_seq_len <= bound)
-
-    def run(self, batch) -> torch.Tensor:
-        """Copy the step in, pad to the bucket, replay; returns logits of the real rows only."""
-        B = batch.seq_lens.shape[0]
+    def run(self, batch: Batch) -> torch.Tensor | None:
+        """Copy the step in, pad to its bucket, replay. Returns the logits of the sampled rows, or None if
+        no graph holds the step."""
         key = self.key_for(batch)
-        b = key[0]
-        self.input_ids[:B].copy_(batch.input_ids)
-        self.positions[:B].copy_(batch.positions)
-        self.slot_mapping[:B].copy_(batch.slot_mapping)
+        if key is None:
+            return None
+        kind, size, _ = key
+        T, B = batch.input_ids.shape[0], batch.seq_lens.shape[0]
+        self.rows_run, self.rows_real = self.rows_run + size, self.rows_real + T
+        self.input_ids[:T].copy_(batch.input_ids)
+        self.positions[:T].copy_(batch.positions)
+        self.slot_mapping[:T].copy_(batch.slot_mapping)
         self.seq_lens[:B].copy_(batch.seq_lens)
         # Columns past this step's width keep stale block ids: attention never reads past seq_len.
         self.block_table[:B, :batch.block_table.shape[1]].copy_(batch.block_table)
-        if b > B:  # padding rows: harmless by construction (see the module docstring)
-            self.input_ids[B:b].zero_()
-            self.positions[B:b].zero_()
-            self.slot_mapping[B:b].fill_(-1)
-            self.seq_lens[B:b].zero_()
-        if self.use_cuda_graphs:
+        if size > T:  # padding tokens: harmless by construction (see the module docstring)
+            self.input_ids[T:size].zero_()
+            self.positions[T:size].zero_()
+            self.slot_mapping[T:size].fill_(-1)
+        rows = size if kind == "decode" else self._prompt_rows(size)
+        self.seq_lens[B:rows].zero_()
+        if kind == "prompt":  # request B owns the padding tokens [T, size); the rest own none
+            self.query_start_loc[:B + 1].copy_(batch.query_start_loc)
+            self.query_start_loc[B + 1:rows + 1].fill_(size)
+        if self.capture_graphs:
             self.graphs[key].replay()
-            return self.outputs[key][:B]
-        return self.forward(*key)[:B]
+        else:
+            self.forward(key)
+        if kind == "decode":
+            return self.logits[:B]
+        return self.model.compute_logits(self.hidden[batch.logits_indices])

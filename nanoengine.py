@@ -4,12 +4,14 @@
     llm = LLM(model="tiny")                       # a preset, or a Hugging Face checkpoint folder
     outs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 
-The engine knows only token ids; a tokenizer (optional) turns text into ids at the edges.
-It imports kernels.py (Triton kernels and their torch references), scheduler.py (requests, blocks,
-batching) and graphs.py (CUDA graphs per batch bucket). run.py is the command line.
+The engine knows only token ids; a tokenizer (optional) turns text into ids at the edges. It imports
+kernels.py (Triton kernels and their torch references), scheduler.py (requests, blocks, batching, and the
+Batch type) and graphs.py (CUDA graphs per bucket). run.py is the command line.
 
-The forward pass never reads a batch value back to the host: every per-step value is a tensor in a
-`Batch`, and the only host-side numbers (`max_query_len`, the tensor sizes) are ones a CUDA graph can fix.
+Part 1 is the chapter: the model calls the Part 1 kernels by name, the runner turns each plan into a
+Batch of device tensors, and the engine plans step s+1 while step s runs (step_async). Part 2, at the end,
+is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the steady-decode host path.
+The forward never reads a batch value back to the host, so a CUDA graph can hold it.
 """
 import gc
 import json
@@ -18,7 +20,7 @@ import os
 import random
 import time
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import SimpleNamespace
 
@@ -29,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from graphs import GraphRunner
-from scheduler import (FINISHED, PLACEHOLDER, RUNNING, SEED_RANGE, Request, SamplingParams, Scheduler, check_type,
-                       is_int, require)
+from graphs import GraphRunner, default_buckets, default_token_buckets
+from scheduler import (FINISHED, PLACEHOLDER, RUNNING, SEED_RANGE, Batch, BlockManager, Request, RequestBook,
+                       SamplingParams, Scheduler, SteadyBook, SteadyScheduler, check_type, is_int, require)
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
 
@@ -39,7 +41,7 @@ __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "Re
 SETTING_KINDS = {str: "str", int: "int", float: "number", bool: "bool", tuple: "ints"}
 EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
 CPU_KV_BYTES = 512 << 20          # KV cache on the CPU: 16k blocks for `tiny`, modest for real shapes
-CUDA_HEADROOM_BYTES = 4 << 30     # kept free on CUDA for activations, logits and graphs
+CUDA_SPARE_BYTES = 1 << 30        # kept free on CUDA beyond the measured activations: cuBLAS, the allocator
 STAGING_ALIGN_BYTES = 16          # staged tensors start 16-byte aligned: see aligned_offsets
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -195,19 +197,21 @@ class EngineConfig:
     seed: int = 0                        # random preset weights, and requests without their own seed
     block_size: int = 16                 # tokens per KV block: small enough to waste little, big enough to gather
     num_blocks: int | None = None        # None: from CPU_KV_BYTES on the CPU, gpu_memory_utilization on CUDA
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights + KV)
-    max_num_seqs: int = 256              # requests in one batch; also the largest graph bucket
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights + KV + graphs)
+    max_num_seqs: int = 256              # requests in one batch; also the largest decode graph bucket
     max_num_batched_tokens: int = 2048   # tokens in one step: long prompts are chunked to this
     max_model_len: int | None = None     # None: the model's max_position_embeddings, capped at 8192
-    fuse: bool = True                    # fused weights + kernels (Triton on CUDA, torch references on the CPU)
+    fuse: bool = True                    # fused weights + the kernels (Triton on CUDA, torch references on the CPU)
     triton: bool | None = None           # None: Triton kernels on CUDA; True runs them on the CPU interpreter too
-    triton_linear_rows: int | None = None  # matmuls of up to this many rows in Triton, not cuBLAS (None: by
-                                           # the model, see build_model)
-    triton_narrow_rows: int | None = None  # ... and narrow ones (kernels.LINEAR_NARROW_N outputs or fewer) up
-                                           # to this many, if more (None: by the model; 0 when
-                                           # triton_linear_rows is given)
-    enforce_eager: bool | None = None    # None: CUDA graphs on CUDA (fused model), eager on the CPU
-    graph_buckets: tuple | None = None   # None: graphs.default_buckets(max_num_seqs)
+    tuned: bool | str | tuple = True     # Part 2's variants: all (True), none (False), or some by name (TUNED)
+    triton_linear_rows: int | None = None  # tuned linear: matmuls of up to this many rows in Triton (None: by
+                                           # the model, see tuned_ops)
+    triton_narrow_rows: int | None = None  # ... and narrow ones up to this many, if more (None: by the model)
+    enforce_eager: bool | None = None    # None: CUDA graphs on CUDA (fused Triton model), eager on the CPU
+    cudagraph_mode: str = "full"         # "full": graphs for decode steps and steps with prompt tokens;
+                                         # "full_decode_only": decode steps only (graphs.py)
+    graph_buckets: tuple | None = None   # decode buckets; None: graphs.default_buckets(max_num_seqs)
+    graph_token_buckets: tuple | None = None  # prompt buckets; None: graphs.default_token_buckets(...)
     async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
 
     def __post_init__(self):
@@ -222,8 +226,11 @@ class EngineConfig:
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                 "None (the model's) or >= 2: a prompt token and one generated")
         require(SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed, "an integer in [-2**63, 2**63)")
-        require(self.graph_buckets is None or (len(self.graph_buckets) > 0 and min(self.graph_buckets) >= 1),
-                "graph_buckets", self.graph_buckets, "None or batch sizes >= 1")
+        for name in ("graph_buckets", "graph_token_buckets"):
+            sizes = getattr(self, name)
+            require(sizes is None or (len(sizes) > 0 and min(sizes) >= 1), name, sizes, "None or sizes >= 1")
+        require(self.cudagraph_mode in ("full", "full_decode_only"), "cudagraph_mode", self.cudagraph_mode,
+                "'full' or 'full_decode_only'")
         self._pick_device()
         if self.dtype is None:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
@@ -231,13 +238,10 @@ class EngineConfig:
                 "'float32', 'bfloat16' or 'float16'")
         if self.triton is None:
             self.triton = self.device.startswith("cuda")
+        self.tuned = tuned_variants(self.tuned) if self.fuse else frozenset()
         for name in ("triton_linear_rows", "triton_narrow_rows"):
             rows = getattr(self, name)
-            if rows is None and not (self.device.startswith("cuda") and self.triton):
-                setattr(self, name, 0)  # the CPU: torch's matmul (the interpreter would only be slower)
-            else:
-                require(rows is None or 0 <= rows <= kernels.LINEAR_MAX_M, name, rows,
-                        f"in [0, {kernels.LINEAR_MAX_M}]")
+            require(rows is None or 0 <= rows <= kernels.LINEAR_MAX_M, name, rows, f"None or in [0, {kernels.LINEAR_MAX_M}]")
         if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
             self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
 
@@ -271,36 +275,25 @@ class EngineConfig:
 # ----------------------------------------------------------------------------------------------------------
 # The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
 
-OPS = ("rmsnorm", "add_rmsnorm", "moe_route", "fused_moe", "rope_write_kv", "paged_attention",
-       "decode_attention", "race_sample")
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out=None) -> torch.Tensor:
+    """cuBLAS's matmul; `out` (a graph's static logits buffer) is written in place."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
 
 
-def make_ops(triton: bool, triton_linear_rows: int = 0, triton_narrow_rows: int = 0) -> SimpleNamespace:
-    """The kernels the forward calls: Triton launchers, or their plain-torch references (same arguments).
-    `linear` is cuBLAS (F.linear), except that matmuls of up to triton_linear_rows rows run a Triton kernel
-    that streams the weights at closer to full bandwidth than cuBLAS manages for so few rows, and narrow
-    ones (kernels.LINEAR_NARROW_N outputs or fewer) up to triton_narrow_rows if that is more (the defaults
-    by model size are in build_model)."""
-    ops = {name: getattr(kernels, name if triton else name + "_ref") for name in OPS}
-    # The context lengths at which decode attention changes its tiles (the graph runner's concern)
-    ops["decode_context_bounds"] = kernels.decode_context_bounds if triton else lambda b, hkv: ()
-    rows = dict(max_rows=triton_linear_rows, narrow_rows=triton_narrow_rows)
-    if triton and (triton_linear_rows or triton_narrow_rows):
-        ops["linear"] = partial(kernels.linear, **rows)
-    else:
-        ops["linear"] = F.linear
-    # A pre-norm layer's residual add and RMSNorm, made as the next matmul loads its input (one row), and
-    # the MLP's silu(gate) * up, made as its gate/up matmul stores the output; with no Triton rows,
-    # add_rmsnorm, F.linear and silu_and_mul (the reference: their _ref versions).
-    if triton:
-        ops["add_rmsnorm_linear"] = partial(kernels.add_rmsnorm_linear, **rows)
-    else:
-        ops["add_rmsnorm_linear"] = kernels.add_rmsnorm_linear_ref
-    return SimpleNamespace(**ops)
-
-
-def linear(ops, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return ops.linear(x, layer.weight, layer.bias)
+def textbook_ops(triton: bool) -> SimpleNamespace:
+    """The operations the forward calls by name: Part 1's Triton launchers, or their plain-torch references
+    (same arguments). Part 2 (tuned_ops) swaps some for decode-speed variants and fills the two None slots."""
+    k = lambda name: getattr(kernels, name if triton else name + "_ref")  # noqa: E731
+    return SimpleNamespace(
+        add_rmsnorm=k("add_rmsnorm"), silu_and_mul=k("silu_and_mul"), rope_write_kv=k("rope_write_kv"),
+        paged_attention=k("paged_attention"), fused_moe=k("fused_moe"), linear=linear,
+        moe_route=kernels.moe_route_ref, race_sample=kernels.race_sample_ref,
+        add_rmsnorm_linear=None,  # Part 2: the norm made as the matmul after it loads its input
+        decode_attention=None,  # Part 2: rope_write_kv and paged_attention in one launch, for decode
+        decode_context_bounds=lambda b, hkv: ())  # Part 2: context lengths where decode attention's tiles change
 
 
 def rope_cos_sin(cfg: ModelConfig, max_pos: int, device) -> torch.Tensor:
@@ -320,8 +313,17 @@ def rope_cos_sin(cfg: ModelConfig, max_pos: int, device) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
 
 
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose rows are the parts' rows stacked: one matmul, one read of x, one launch."""
+    fused = nn.Linear(1, 1, bias=parts[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]))  # (sum of outs, in)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]))
+    return fused
+
+
 class RMSNorm(nn.Module):
-    """Holds the weight; the math is ops.rmsnorm / ops.add_rmsnorm."""
+    """Holds the weight; the math is ops.add_rmsnorm (or, inside rope_write_kv, the per-head norm)."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -341,37 +343,34 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(self.D), RMSNorm(self.D)
 
     def fuse(self):
-        """One matmul for q, k and v instead of three: fewer launches, one read of x."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        qkv = nn.Linear(1, 1, bias=parts[0].bias is not None, device="meta")
-        qkv.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]))  # ((H + 2 Hkv) D, hidden)
-        if qkv.bias is not None:
-            qkv.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]))
-        self.qkv_proj = qkv
+        """Fusing q, k and v saves two launches, two reads of x, and the two smallest matmuls' poor use of
+        the GPU: one (H + 2 Hkv) D-row matmul streams its weight at a better rate than three."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, batch, k_cache, v_cache, cos_sin, ops):
-        """Unfused: three matmuls. Fused, DecoderLayer makes q, k and v in one (with the norm before it)."""
-        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), batch, k_cache, v_cache, cos_sin, ops)
-
-    def attend(self, q, k, v, batch, k_cache, v_cache, cos_sin, ops):
-        T, H, Hkv, D = q.shape[0], self.H, self.Hkv, self.D
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+    def forward(self, qkv: torch.Tensor, batch: Batch, k_cache, v_cache, cos_sin, ops) -> torch.Tensor:
+        """qkv (T, (H + 2 Hkv) D) from the fused matmul -> (T, hidden)."""
+        T, H, Hkv, D = qkv.shape[0], self.H, self.Hkv, self.D
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)  # strided views, no copy
         qn = self.q_norm.weight if hasattr(self, "q_norm") else None
         kn = self.k_norm.weight if hasattr(self, "k_norm") else None
-        if batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
-            # Decode (one token per request, at position seq_len - 1): up to a batch that fills the GPU,
-            # the attention kernel rotates q and k itself and writes k and v to the cache: one launch.
-            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions,
-                                     batch.seq_lens, batch.block_table, cos_sin, self.scale, qn, kn, self.eps,
+        if ops.decode_attention and batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
+            # Part 2 (kernels 2.3): a decode batch's RoPE, KV write and attention in one launch
+            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, batch.seq_lens,
+                                     batch.block_table, cos_sin, self.scale, qn, kn, self.eps,
                                      max_seq_len=batch.max_seq_len)
         else:
-            # q rotated in place; k rotated into its cache slot, v beside it ((per-head norm), rotary, store)
-            ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn,
-                              self.eps)
-            o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens,
-                                    batch.block_table, self.scale, batch.max_query_len)  # (T, H, D)
-        return linear(ops, self.o_proj, o.view(T, H * D))
+            # q rotated in place; k rotated into its cache slot, v beside it
+            ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn, self.eps)
+            o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                    self.scale, batch.max_query_len)  # (T, H, D)
+        return ops.linear(o.view(T, H * D), self.o_proj.weight, self.o_proj.bias)
+
+    def forward_unfused(self, x, batch, k_cache, v_cache, cos_sin, ops):
+        """The eager baseline: three matmuls."""
+        qkv = torch.cat([F.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        return self.forward(qkv, batch, k_cache, v_cache, cos_sin, ops)
 
 
 class MLP(nn.Module):
@@ -382,12 +381,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def fuse(self):
-        self.gate_up_proj = nn.Linear(1, 1, bias=False, device="meta")
-        self.gate_up_proj.weight = nn.Parameter(torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data]))
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])  # (2I, hidden): gate rows, then up
         del self.gate_proj, self.up_proj
 
     def forward(self, x, ops):
-        """Unfused (and a MoE's experts). Fused, DecoderLayer runs gate/up (with the norm before it) and down."""
+        """Unfused (the eager baseline, and a MoE's experts before fusion)."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -410,10 +408,11 @@ class MoE(nn.Module):
 
     def forward(self, x, ops):
         # softmax in float32 as HF does, top k, renormalised if the config says so: (T, k) each
-        weights, ids = ops.moe_route(linear(ops, self.gate, x), self.top_k, self.norm_topk_prob)
+        weights, ids = ops.moe_route(ops.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob)
         if hasattr(self, "w_gate_up"):
             return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
-        # Unfused: one small matmul chain per expert that got tokens (and a host sync per expert to know).
+        # Unfused: one small matmul chain per expert that got tokens, and a host sync per expert to know
+        # which did: the reason this path can never run inside a CUDA graph.
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(ids == e)
@@ -432,30 +431,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
 
     def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
+        """Pre-norm: residual += x, normalise, attend; residual += that, normalise, MLP. residual is None
+        before the first layer. Returns (this layer's output, the residual stream)."""
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
-        if hasattr(attn, "qkv_proj"):
-            # Fused: residual += x and the RMSNorm happen as the q/k/v matmul loads its input (one kernel at
-            # one row; else add_rmsnorm, then the matmul).
+        if not hasattr(attn, "qkv_proj"):  # the unfused eager baseline
+            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
+            x = attn.forward_unfused(h, batch, k_cache, v_cache, cos_sin, ops)
+            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
+            return mlp(h, ops), residual
+        if ops.add_rmsnorm_linear:  # Part 2 (kernels 2.2): the add + norm made as the q/k/v matmul loads its row
             qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps,
                                                    attn.qkv_proj.weight, attn.qkv_proj.bias)
-            H, Hkv, D = attn.H, attn.Hkv, attn.D
-            x = attn.attend(*qkv.split([H * D, Hkv * D, Hkv * D], dim=-1), batch, k_cache, v_cache, cos_sin, ops)
         else:
-            x, residual = add_norm(x, residual, self.input_layernorm.weight, eps, ops)
-            x = attn(x, batch, k_cache, v_cache, cos_sin, ops)
-        if hasattr(mlp, "gate_up_proj"):  # fused dense MLP: the same for gate/up, with silu * up, then down
+            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
+            qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x = attn(qkv, batch, k_cache, v_cache, cos_sin, ops)
+        if isinstance(mlp, MoE):  # the router and the experts both read the normed x
+            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
+            return mlp(h, ops), residual
+        if ops.add_rmsnorm_linear:  # Part 2: ... and silu(gate) * up made as the gate/up matmul stores
             h, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
                                                  mlp.gate_up_proj.weight, gated=True)
-            return ops.linear(h, mlp.down_proj.weight, mlp.down_proj.bias), residual
-        x, residual = add_norm(x, residual, self.post_attention_layernorm.weight, eps, ops)
-        return mlp(x, ops), residual  # a MoE block reads the normed x twice (router, experts): no fusing
-
-
-def add_norm(x, residual, weight, eps, ops):
-    """Pre-norm residual stream: residual += x, then normalise it. The first layer has no residual yet."""
-    if residual is None:
-        return ops.rmsnorm(x, weight, eps), x
-    return ops.add_rmsnorm(x, residual, weight, eps)
+        else:
+            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
+            h = ops.silu_and_mul(ops.linear(h, mlp.gate_up_proj.weight))
+        return ops.linear(h, mlp.down_proj.weight), residual
 
 
 class Model(nn.Module):
@@ -467,44 +467,32 @@ class Model(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.ops = make_ops(triton=False)
+        self.ops = textbook_ops(triton=False)
         self.cos_sin = None  # set by build_model: (max_pos, head_dim) float32 on the model's device
-        self.graph_safe = False
+        self.graph_safe = False  # every op a sync-free Triton launch: a CUDA graph can capture the forward
 
     def tie(self):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse(self, kernels: bool = True, triton: bool = False, triton_linear_rows: int = 0,
-             triton_narrow_rows: int = 0):
-        """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed.
-        kernels=True also switches to the fused kernels: Triton if triton, else their torch references."""
+    def fuse(self):
+        """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        self.ops = make_ops(triton=triton and kernels, triton_linear_rows=triton_linear_rows,
-                            triton_narrow_rows=triton_narrow_rows)
-        self.graph_safe = triton and kernels  # every op a sync-free Triton launch: capturable
-        self.requires_grad_(False)  # the fused weights are new Parameters (see ModelRunner.execute)
         return self
 
-    def forward(self, batch: "Batch", kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """batch: one step's tokens; kv_cache (2, layers, blocks + 1, block_size, Hkv, D). -> (T, hidden)"""
         x, residual = self.model.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, batch, kv_cache[0, i], kv_cache[1, i], self.cos_sin, self.ops)
-        x, _ = add_norm(x, residual, self.model.norm.weight, self.config.rms_norm_eps, self.ops)
-        return x
+        return self.ops.add_rmsnorm(x, residual, self.model.norm.weight, self.config.rms_norm_eps)[0]
 
-    def decode_context_bounds(self, b: int) -> tuple[int, ...]:
-        """Longest contexts up to which a decode of b requests runs other kernels than past them (see
-        kernels.decode_context_bounds): a graph per side of each."""
-        return self.ops.decode_context_bounds(b, self.config.num_kv_heads)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # (S, vocab) in the model's dtype. The sampler reads it as float32 in registers: a float32 copy
-        # would be one more kernel and, at 256 rows of 151,936, 234 MB more traffic per step.
-        return linear(self.ops, self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # (S, vocab) in the model's dtype: the sampler reads it as float32 in registers, so a float32 copy
+        # would only be one more kernel and twice the bytes.
+        return self.ops.linear(hidden, self.lm_head.weight, out=out)
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -521,9 +509,8 @@ def read_model_config(model: str) -> tuple[dict, str | None]:
         return dict(PRESETS[model]), None
     if not os.path.isdir(model):
         raise ValueError(f"model={model!r} is neither a folder nor a preset; presets: {', '.join(PRESETS)}")
-    path = os.path.join(model, "config.json")
     try:
-        with open(path) as f:
+        with open(os.path.join(model, "config.json")) as f:
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"model={model!r}: cannot read config.json ({e})") from None
@@ -599,42 +586,28 @@ def init_random(model: Model, seed: int):
 
 
 def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
-    """The model on cfg.device in cfg.dtype, weights loaded or random. Returns (model, folder or None)."""
+    """The model on cfg.device in cfg.dtype, weights loaded or random, fused and with its ops chosen.
+    Returns (model, folder or None)."""
     hf, folder = read_model_config(cfg.model)
     mcfg = ModelConfig.from_hf(hf, where=f"model={cfg.model!r} config")
-    dtype = getattr(torch, cfg.dtype)
     # On the meta device torch imports torch._dynamo the first time; that import leaves cyclic garbage that
     # holds the frames it ran under, and with them the first Engine of a process, until the cycle
     # collector runs. Imported at the top of this file, it holds nothing of ours.
     with torch.device("meta"):  # no memory and no init until the real device is known
         model = Model(mcfg)
-    model = model.to(dtype).to_empty(device=cfg.device)
+    model = model.to(getattr(torch, cfg.dtype)).to_empty(device=cfg.device)
     model.tie()
     if folder is None:
         init_random(model, cfg.seed)
     else:
         load_weights(model, folder)
     model.cos_sin = rope_cos_sin(mcfg, max_model_len(cfg, mcfg), cfg.device)
-    if cfg.triton_narrow_rows is None:
-        # On a small model its narrow matrices (q/k/v, o and down on Qwen3-0.6B) take the Triton matmul up to
-        # 256 rows, where cuBLAS still loses on them (kernels.LINEAR_NARROW_N); not measured on bigger models'
-        # shapes. A triton_linear_rows given alone means what it says: that many rows, for every matmul.
-        small = cfg.triton_linear_rows is None and mcfg.hidden_size <= 1024
-        cfg.triton_narrow_rows = kernels.LINEAR_MAX_M if small else 0
-    if cfg.triton_linear_rows is None:
-        # On CUDA the Triton matmul takes one row on every model: it streams a decode matrix faster than
-        # cuBLAS (Qwen3-0.6B's matmuls 554 against 962 us a step, H200). Up to 64 rows only on small
-        # models: at Qwen3-0.6B's shapes, with 4 pipeline stages, its q/k/v, o, gate/up and down took 19.4-
-        # 20.2 us a layer at 64 rows against cuBLAS's 25.7 (each timed as a chain of 28 calls in a CUDA
-        # graph: cuBLAS's figure holds the split-K reduction it adds to o and down and a launch gap before
-        # each of its kernels, which programmatic dependent launch spares the Triton kernels); at 128-256
-        # rows cuBLAS's lm_head is 1.2-1.4x faster, and at Llama-3-8B's shapes cuBLAS is 4-8% faster from
-        # 4 rows.
-        cfg.triton_linear_rows = 64 if mcfg.hidden_size <= 1024 else 1
     if cfg.fuse:
-        model.fuse(kernels=True, triton=cfg.triton, triton_linear_rows=cfg.triton_linear_rows,
-                   triton_narrow_rows=cfg.triton_narrow_rows)
-    return model.eval().requires_grad_(False), folder  # no autograd: see ModelRunner.execute
+        model.fuse()
+        model.ops = tuned_ops(textbook_ops(cfg.triton), cfg, mcfg)
+        model.graph_safe = cfg.triton  # every op a sync-free Triton launch
+    # No autograd: the fused weights are new Parameters, and entering inference_mode each step costs host time.
+    return model.eval().requires_grad_(False), folder
 
 
 def max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
@@ -647,23 +620,7 @@ def max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One step's batch, and sampling
-
-
-@dataclass
-class Batch:
-    """Everything the forward reads about one step, as tensors (no host-side lists the graph can't fix)."""
-    input_ids: torch.Tensor        # (T,) int64
-    positions: torch.Tensor        # (T,) int64
-    slot_mapping: torch.Tensor     # (T,) int64: block * block_size + offset; -1 = padding, goes to scratch
-    query_start_loc: torch.Tensor  # (B + 1,) int32: request b's tokens are [qsl[b], qsl[b + 1])
-    # int64, not the kernels' usual int32: a steady decode stages its counters as these (DecodeRows), one
-    # array fewer to advance per step; the kernels and references load either
-    seq_lens: torch.Tensor         # (B,) int64: context length including this step's tokens; 0 = padding
-    block_table: torch.Tensor      # (B, max_blocks) int32
-    logits_indices: torch.Tensor   # (S,) int64: the rows whose next token is sampled
-    max_query_len: int             # host-side bound on tokens per request; sizes the attention grid
-    max_seq_len: int               # host-side bound on seq_lens: short contexts take other decode tiles
+# Sampling
 
 
 @dataclass
@@ -678,13 +635,10 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref) -> torch.Tensor:
-    """(S, vocab) logits (float32 or the model's 16-bit dtype) -> (S,) int64 tokens, on the device, with no
-    host sync; the arithmetic is float32 either way.
-    Top-k / top-p set the dropped logits to -inf (a sort, only when some request asks for it); then `race`
-    (kernels.race_sample or its reference) draws each row from softmax(logits / T) by the exponential race,
-    with noise that is a hash of (seed, token index, vocabulary id): a request's tokens never depend on
-    its batch. Temperature 0 rows take the argmax; an all-greedy batch skips the noise (the kernel's one
-    pass over the logits beat torch's argmax, 28 us at 128K ids and batch 1 on an H200)."""
+    """(S, vocab) logits -> (S,) int64 tokens, on the device, with no host sync. Top-k / top-p set the
+    dropped logits to -inf (a sort, only when some request asks for it); then `race` draws each row from
+    softmax(logits / T) by the exponential race, with noise that is a hash of (seed, token index,
+    vocabulary id): a request's tokens never depend on its batch. Temperature 0 rows take the argmax."""
     if s.all_greedy:
         return race(logits.contiguous(), s.temperature, s.seeds, s.counters, greedy=True)
     if s.need_filter:
@@ -699,13 +653,13 @@ def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The model runner: KV cache, batch building, forward (eager or graphed) and sampling
+# The model runner: a step's Batch (InputBuilder), then its forward and sampling (ModelRunner)
 
 
 def aligned_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
     """Where each of several arrays starts when packed into one buffer with every start 16-byte aligned,
-    and the total length. Triton compiles a kernel once per pointer alignment it sees: packed tightly,
-    the staged tensors' alignment changed with each step's sizes, and a run stalled on recompiles."""
+    and the total length. Triton compiles a kernel once per pointer alignment it sees: packed tightly, the
+    staged tensors' alignment would change with each step's sizes, and a run would stall on recompiles."""
     align = max(1, STAGING_ALIGN_BYTES // itemsize)
     offsets, total = [], 0
     for n in sizes:
@@ -716,17 +670,13 @@ def aligned_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
 
 class Staging:
     """Host arrays -> device tensors in one copy per dtype. On CUDA the arrays are packed into pinned
-    buffers and copied without blocking; two buffers alternate so the host can fill one while the
-    other's copy may still be queued behind the step in flight (an event guards the reuse)."""
+    buffers and copied without blocking; two buffers alternate so the host can fill one while the other's
+    copy may still be queued behind the step in flight (an event guards the reuse). On the CPU the
+    tensors are zero-copy views, kept while the same arrays come back (Part 2's steady rows do)."""
 
     def __init__(self, device: torch.device, sizes: dict):
         self.device, self.cuda, self.turn = device, device.type == "cuda", 0
-        self.buffers = [{}, {}]
-        # CPU: the arrays of the last call and their views. A steady decode stages the same arrays each
-        # step, advanced in place, and its views stay valid: making them anew cost ~35 us of a ~150 us step
-        # (a tensor's construction, out of the CPU's caches after the forward).
-        self.last = [], []
-        self.events = [None, None]
+        self.buffers, self.events, self.last = [{}, {}], [None, None], ([], [])
         if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
             for buffers in self.buffers:
                 for dtype, n in sizes.items():
@@ -734,7 +684,7 @@ class Staging:
                     buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
 
     def to_device(self, *groups: list) -> list[list[torch.Tensor]]:
-        if not self.cuda:  # zero-copy views of the numpy arrays
+        if not self.cuda:
             arrays = [a for g in groups for a in g]
             if len(arrays) != len(self.last[0]) or any(a is not b for a, b in zip(arrays, self.last[0])):
                 self.last = arrays, [[torch.from_numpy(np.ascontiguousarray(a)) for a in g] for g in groups]
@@ -753,7 +703,7 @@ class Staging:
         buf = self.buffers[self.turn].get(dtype)
         if buf is None or buf.numel() < total:
             buf = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
-                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=self.cuda)
+                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
             self.buffers[self.turn][dtype] = buf
         host = buf.numpy()
         for a, o in zip(arrays, offsets):
@@ -762,78 +712,38 @@ class Staging:
         return [dev[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
 
 
-@dataclass(eq=False)
-class DecodeRows:
-    """A decode batch kept from step to step while the running set is unchanged (the scheduler's
-    SteadyDecode), so that a step costs a few numpy operations whatever the batch size.
+class InputBuilder:
+    """Turns a plan (SchedulerOutput) into the step's Batch and SamplingBatch on the device.
 
-    From one such step to the next every request moves on by one token: its position, its KV slot and
-    its sequence length are all +1, and its sampling settings do not change. So the arrays here are
-    advanced in place, and a row whose new token starts a block takes that block from the scheduler.
-    The settings, query_start_loc and logits_indices are staged once, when the set forms."""
-    steady: object                 # the scheduler's SteadyDecode these rows follow
-    step: int                      # the scheduler step the arrays hold
-    rows: np.ndarray               # (n,) each request's persistent row
-    ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (the sampled token's index,
-                                   # which is also the sequence length: staged as both)
-    rows64: tuple                  # ints64's three rows, as views: staged as they are, so that on the CPU
-                                   # each is one same array every step (Staging reuses its view)
-    max_seq_len: int               # the counters' max (the longest context), moved on with them
-    block_table: np.ndarray        # (n, width) int32: the columns this step's longest request needs
-    query_start_loc: torch.Tensor  # (n + 1,) int32 on the device: 0, 1, ..., n
-    logits_indices: torch.Tensor   # (n,) int64 on the device: every row samples
-    sampling: "SamplingBatch"      # its counters are replaced each step
+    Per-request state lives in persistent rows (block-table row, sampling settings) that change only when
+    a request joins or gets a new block, so a step gathers rows instead of rebuilding them. Inputs still
+    on the device (async: PLACEHOLDERs) are copied from the last step's sampled tokens, never read back."""
 
-
-class ModelRunner:
-    """Owns the KV cache and turns a SchedulerOutput into a Batch, a forward and sampled tokens.
-
-    Host work per step is what limits big batches on a fast GPU, so per-request state lives in
-    persistent rows (block table, sampling settings) that change only when a request joins or gets a
-    new block. A decode step of an unchanged running set goes further (DecodeRows): last step's batch,
-    one token on, with last step's sampled tokens as its inputs, straight from the device."""
-
-    def __init__(self, model: Model, cfg: EngineConfig, num_blocks: int, max_len: int):
-        mc = model.config
-        self.model, self.cfg, self.device = model, cfg, torch.device(cfg.device)
-        self.block_size, self.max_len = cfg.block_size, max_len
-        self.max_blocks_per_seq = -(-max_len // cfg.block_size)
-        # One extra block at the end: the scratch block. The block manager never hands it out; padding
-        # rows (slot -1) write there, so they can never touch a real request's KV.
-        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
-                                    mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
-        # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
-        self.prev_tokens, self.prev_sampling, self._prev_rows = None, [], None
-        self.prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
-        self.stats = StepStats(cuda=self.device.type == "cuda")
-        # Persistent rows, one per live request (running, or preempted and coming back).
-        rows = 2 * cfg.max_num_seqs
+    def __init__(self, cfg: EngineConfig, vocab_size: int, max_blocks_per_seq: int):
+        self.block_size, self.vocab_size = cfg.block_size, vocab_size
+        self.device = torch.device(cfg.device)
+        rows = 2 * cfg.max_num_seqs  # live requests: running, or preempted and coming back
         self.row_of: dict[Request, int] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
-        self.table = np.zeros((rows, self.max_blocks_per_seq), dtype=np.int32)  # block table rows
+        self.table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)  # block-table rows
         self.row_nblocks = np.zeros(rows, dtype=np.int64)  # how many of its blocks are in self.table
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.top_p = np.zeros(rows, dtype=np.float32)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
-        self.decode: DecodeRows | None = None
         T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
-        self.staging = Staging(self.device, {"int64": 6 * T + 5 * S, "int32": S + 1 + S * self.max_blocks_per_seq,
+        self.staging = Staging(self.device, {"int64": 6 * T + 5 * S, "int32": S + 1 + S * max_blocks_per_seq,
                                              "float32": 2 * S})
-        self.graphs = None
-        if not cfg.enforce_eager:
-            self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq,
-                                      buckets=cfg.graph_buckets, max_num_seqs=cfg.max_num_seqs,
-                                      use_cuda_graphs=self.device.type == "cuda")
+        # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
+        self.prev_tokens, self.prev_sampling, self._prev_rows = None, (), None
 
-    # -- persistent rows ------------------------------------------------------------------------------
-    def rows(self, reqs: tuple[Request, ...]) -> np.ndarray:
-        """Each request's row, with its block-table row brought up to date (only new blocks are copied).
-        A preempted request's row was released (its blocks went back), so it starts afresh."""
-        row_of = self.row_of
+    # -- persistent rows --------------------------------------------------------------------------------
+    def rows(self, out) -> np.ndarray:
+        """Each request's row, its block-table row brought up to date (only new blocks are copied)."""
+        reqs, row_of = out.requests, self.row_of
         rows = [row_of.get(r) for r in reqs]
-        if None in rows:
+        if None in rows:  # new requests, or preempted ones back (their row was released with their blocks)
             rows = [self._new_row(r) if i is None else i for r, i in zip(reqs, rows)]
         rows = np.array(rows, dtype=np.int64)
         nblocks = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
@@ -841,18 +751,6 @@ class ModelRunner:
             row, blocks, n0 = rows[i], reqs[i].block_ids, self.row_nblocks[rows[i]]
             self.table[row, n0:len(blocks)] = blocks[n0:]
             self.row_nblocks[row] = len(blocks)
-        return rows
-
-    def _rows_of(self, out) -> np.ndarray:
-        """rows() of a plan's requests. A standing SteadyDecode holds the blocks it handed out at block
-        boundaries (`entered`) until it is dropped, so they are not in block_ids yet: they are appended
-        here, in the order they were handed out."""
-        rows = self.rows(out.requests)
-        if out.steady is not None:
-            for due, blocks in out.steady.entered:
-                r = rows[due]
-                self.table[r, self.row_nblocks[r]] = blocks
-                self.row_nblocks[r] += 1
         return rows
 
     def _new_row(self, req: Request) -> int:
@@ -864,9 +762,8 @@ class ModelRunner:
         self.row_nblocks[row] = 0
         p = req.params
         self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
-        vocab = self.model.config.vocab_size
-        top_k = p.top_k if 0 < p.top_k < vocab else vocab  # -1, 0 or >= the vocabulary: no limit (as vLLM)
-        self.top_k[row], self.filtered[row] = top_k, top_k < vocab or p.top_p < 1
+        top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size  # -1, 0, >= vocab: no limit
+        self.top_k[row], self.filtered[row] = top_k, top_k < self.vocab_size or p.top_p < 1
         return row
 
     def release(self, req: Request):
@@ -874,21 +771,10 @@ class ModelRunner:
         if row is not None:
             self.free_rows.append(row)
 
-    def close(self):
-        """Drop every tensor this runner holds: the KV cache, the graphs (and with them their memory pool),
-        the staging buffers, last step's tokens and the model (Engine.close)."""
-        self.kv_cache = self.graphs = self.staging = self.decode = self.prev_tokens = self.model = None
-
-    # -- one step's tensors ---------------------------------------------------------------------------
+    # -- one step's tensors -----------------------------------------------------------------------------
     def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
-        if out.steady is not None:
-            kept = None if out.requests is self.prev_sampling else self._kept(out)
-            if out.requests is self.prev_sampling or kept is not None:
-                return self._prepare_steady(out, kept)
-            return self._prepare_formed(out)
-        reqs = out.requests
-        rows, starts = self._rows_of(out), out.starts
+        reqs, rows, starts = out.requests, self.rows(out), out.starts
         if out.is_decode:  # one token per request, each at position start: all vectorised
             ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
             pos, seq_lens = starts, starts + 1
@@ -897,12 +783,12 @@ class ModelRunner:
             sampling, srows, logits_indices, max_query_len = reqs, rows, qsl[:-1].astype(np.int64), 1
             counters = seq_lens
         else:
-            ids, pos, slots, qsl, seq_lens, sample = self._prepare_mixed(out, rows, starts)
+            ids, pos, slots, qsl, seq_lens, sample_mask = self._prepare_mixed(out, rows)
             sampling = tuple(r for r, s in zip(reqs, out.samples) if s)
-            srows, logits_indices = rows[sample], (qsl[1:] - 1)[sample].astype(np.int64)
-            max_query_len, counters = int((qsl[1:] - qsl[:-1]).max()), seq_lens[sample]
-        # Inputs still on the device (async): PLACEHOLDERs, sampled by the step in flight. Their indices
-        # travel in the same pinned copy as the rest; a pageable copy would wait for that step to finish.
+            srows, logits_indices = rows[sample_mask], (qsl[1:] - 1)[sample_mask].astype(np.int64)
+            max_query_len, counters = int((qsl[1:] - qsl[:-1]).max()), seq_lens[sample_mask]
+        # Inputs sampled by the step in flight (async): their indices travel in the same pinned copy as the
+        # rest; a pageable copy would wait for that step to finish.
         fills = np.flatnonzero(ids == PLACEHOLDER)
         same_rows = out.is_decode and len(fills) == len(reqs) and reqs == self.prev_sampling
         if len(fills) and not same_rows:
@@ -910,15 +796,14 @@ class ModelRunner:
             src = np.array([self.prev_rows[reqs[b]] for b in owners.tolist()], dtype=np.int64)
         else:
             fills = src = np.zeros(0, dtype=np.int64)
-        temperature = self.temperature[srows]
-        max_seq_len = int(seq_lens.max())
+        temperature, max_seq_len = self.temperature[srows], int(seq_lens.max())
         ints64, ints32, floats = self.staging.to_device(
             [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src, seq_lens],
             [qsl, self._block_table(rows, max_seq_len)],
             [temperature, self.top_p[srows]])
-        batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2],
-                      query_start_loc=ints32[0], seq_lens=ints64[9], block_table=ints32[1],
-                      logits_indices=ints64[3], max_query_len=max_query_len, max_seq_len=max_seq_len)
+        batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2], query_start_loc=ints32[0],
+                      seq_lens=ints64[9], block_table=ints32[1], logits_indices=ints64[3],
+                      max_query_len=max_query_len, max_seq_len=max_seq_len)
         if same_rows:  # every input is the token the same row sampled last step
             batch.input_ids.copy_(self.prev_tokens)
         elif len(fills):
@@ -928,129 +813,7 @@ class ModelRunner:
                                need_filter=bool(self.filtered[srows].any()))
         return batch, sbatch, sampling
 
-    def _slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """(n,) int64 KV slots of the tokens at these positions, one per row."""
-        bs = self.block_size
-        return self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
-
-    def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
-        """These rows of the block table, as many columns as the longest request needs. Columns first,
-        then rows: numpy's mixed indexing, table[rows, :width], was the slowest line of a boundary step
-        at 256 requests on the 2-core CPU, right after a forward (a line profile: ~140 against ~30 us;
-        both ~4 us when repeated; interleaved runs found such a step ~25 us faster)."""
-        return self.table[:, :self._table_width(max_seq_len)][rows]
-
-    def _table_width(self, max_seq_len: int) -> int:
-        """Block-table columns a context of max_seq_len tokens needs."""
-        return -(-max_seq_len // self.block_size)
-
-    def _kept(self, out) -> np.ndarray | None:
-        """Where some requests of last step's steady decode have left it since (SteadyDecode.without):
-        last step's indices of the requests out decodes (their tokens are only in last step's output,
-        not yet in token_ids); else None."""
-        prev = self.prev_steady
-        if prev is None or prev is out.steady or self.prev_sampling is not prev.requests:
-            return None
-        return out.steady.kept_of(prev)
-
-    def _prepare_steady(self, out, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
-        """A decode of the same requests as last step, or of those of them still running (last step's
-        indices `kept`): their inputs are last step's sampled tokens, on the device already, and the
-        rest is last step's batch one token on (DecodeRows, built when the set formed: _prepare_formed)."""
-        d = self.decode
-        last_set = out.steady if kept is None else self.prev_steady
-        assert d is not None and d.steady is last_set and d.step == out.step - 1, \
-            f"step {out.step}: the decode rows do not follow last step's set (built at step {d and d.step})"
-        if kept is None:
-            self._advance(d, out)
-        else:
-            self._condense(d, out, kept)
-        (positions, slots, counters, *kept_t), (block_table,) = self.staging.to_device(
-            list(d.rows64) + ([] if kept is None else [kept]), [d.block_table])
-        input_ids = self.prev_tokens if kept is None else self.prev_tokens[kept_t[0]]
-        if kept is not None:  # the sampling settings of the rows that stay, gathered likewise
-            sp, rows = d.sampling, d.rows
-            d.sampling = SamplingBatch(temperature=sp.temperature[kept_t[0]], top_k=sp.top_k[kept_t[0]],
-                                       top_p=sp.top_p[kept_t[0]], seeds=sp.seeds[kept_t[0]], counters=None,
-                                       all_greedy=not self.temperature[rows].any(),
-                                       need_filter=bool(self.filtered[rows].any()))
-        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, out.requests
-
-    def _prepare_formed(self, out) -> tuple[Batch, SamplingBatch, tuple]:
-        """The first step of a steady decode (the general path formed it): its rows are built now, so
-        that the next step only advances them (a batch built here and rows built again on the next step
-        cost ~0.4 ms more at 256 requests). Its inputs are the requests' last tokens, or where one is still
-        in flight (async), the token that request's row of last step's output holds."""
-        d = self.decode = self._decode_rows(out)
-        reqs = out.requests
-        ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
-        fills = np.flatnonzero(ids == PLACEHOLDER)
-        src = np.array([self.prev_rows[reqs[i]] for i in fills.tolist()], dtype=np.int64)
-        (input_ids, fills, src, positions, slots, counters), (block_table,) = self.staging.to_device(
-            [ids, fills, src, *d.rows64], [d.block_table])
-        if len(fills):
-            input_ids[fills] = self.prev_tokens[src]
-        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, reqs
-
-    @staticmethod
-    def _rows_batch(d: DecodeRows, input_ids, positions, slots, counters, block_table) -> Batch:
-        """The Batch of a steady decode's rows, from their staged tensors; the counters (the sampled
-        token's index, = the sequence length) are the sampler's too."""
-        d.sampling.counters = counters
-        return Batch(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                     query_start_loc=d.query_start_loc, seq_lens=counters, block_table=block_table,
-                     logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
-
-    def _condense(self, d: DecodeRows, out, kept: np.ndarray):
-        """Some requests left since last step: the rows of those that stay (kept), in order, then one
-        token on (_advance). Their block-table rows are this runner's own, so nothing is rebuilt from
-        the requests."""
-        n = len(kept)
-        # C order, as np.stack made it: each of its rows is then one array, staged as it is (rows64)
-        d.steady, d.rows, d.ints64 = out.steady, d.rows[kept], np.ascontiguousarray(d.ints64[:, kept])
-        d.rows64, d.max_seq_len = tuple(d.ints64), int(d.ints64[2].max())
-        d.block_table = self._block_table(d.rows, d.max_seq_len)
-        d.query_start_loc, d.logits_indices = d.query_start_loc[:n + 1], d.logits_indices[:n]
-        self._advance(d, out)
-
-    def _decode_rows(self, out) -> DecodeRows:
-        """The decode batch of out's requests, from their rows and positions; what stays the same while
-        they run together is staged now, once."""
-        reqs, pos = out.requests, out.starts
-        rows, n = self._rows_of(out), len(reqs)
-        temperature = self.temperature[rows]
-        (seeds, top_k, logits_indices), (qsl,), (temperature_t, top_p) = self.staging.to_device(
-            [self.seed[rows], self.top_k[rows], np.arange(n, dtype=np.int64)],
-            [np.arange(n + 1, dtype=np.int32)], [temperature, self.top_p[rows]])
-        sampling = SamplingBatch(temperature=temperature_t, top_k=top_k, top_p=top_p, seeds=seeds,
-                                 counters=None, all_greedy=not temperature.any(),
-                                 need_filter=bool(self.filtered[rows].any()))
-        seq_lens = pos + 1
-        ints64, max_seq_len = np.stack([pos, self._slots(rows, pos), seq_lens]), int(seq_lens.max())
-        return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
-                          max_seq_len=max_seq_len, block_table=self._block_table(rows, max_seq_len),
-                          query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
-
-    def _advance(self, d: DecodeRows, out):
-        """Every request one token on. Those whose new token starts a block (the scheduler's `entering`,
-        with that block) take their slot from it: its first, and the block table gains it."""
-        d.ints64 += 1  # positions, slots and counters (= sequence lengths) in one operation
-        d.max_seq_len += 1
-        d.step = out.step
-        entering, blocks = out.entering
-        if len(entering):
-            rows, cols = d.rows[entering], d.ints64[0, entering] // self.block_size
-            self.table[rows, cols] = blocks
-            self.row_nblocks[rows] = cols + 1
-            d.ints64[1, entering] = blocks * self.block_size
-            if self._table_width(d.max_seq_len) == d.block_table.shape[1]:
-                # In place, as on 2 of every 3 such steps at 256 requests: on the CPU the array keeps its
-                # staged view (Staging), and a new one cost ~40 us with the gather, after the forward.
-                d.block_table[entering, cols] = blocks
-            else:  # the longest request has entered a new block: one more column
-                d.block_table = self._block_table(d.rows, d.max_seq_len)
-
-    def _prepare_mixed(self, out, rows, starts):
+    def _prepare_mixed(self, out, rows):
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
         bs, ids, pos = self.block_size, [], []
         for r, s, n in zip(out.requests, out.starts, out.num_tokens):
@@ -1058,34 +821,23 @@ class ModelRunner:
             pos.append(np.arange(s, s + n))
         ns = np.array(out.num_tokens, dtype=np.int64)
         pos = np.concatenate(pos)
-        row_of_token = np.repeat(rows, ns)
-        slots = self.table[row_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        slots = self.table[np.repeat(rows, ns), pos // bs].astype(np.int64) * bs + pos % bs
         qsl = np.concatenate([[0], np.cumsum(ns)]).astype(np.int32)
-        return (np.array(ids, dtype=np.int64), pos, slots, qsl, starts + ns,
+        return (np.array(ids, dtype=np.int64), pos, slots, qsl, out.starts + ns,
                 np.array(out.samples, dtype=bool))
 
-    def execute(self, out) -> torch.Tensor:
-        """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them.
-        Not under torch.inference_mode: entering and leaving it cost ~40 us a step on the 2-core CPU, with
-        its caches cold after the forward (a fifth of a quiet step's host work at 256 requests). No weight
-        requires grad (build_model, Model.fuse), so autograd records nothing anyway."""
-        batch, sbatch, sampling = self.prepare(out)
-        t0 = time.perf_counter()
-        start = self.stats.gpu_start()
-        tokens = self.forward_and_sample(out, batch, sbatch)  # its activations are freed on return
-        self.stats.gpu_end(start)
-        self.stats.forward_s += time.perf_counter() - t0
-        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
-        self.prev_steady = out.steady
-        return tokens
+    def _slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """(n,) int64 KV slots of the tokens at these positions, one per row."""
+        return self.table[rows, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
 
-    def forward_and_sample(self, out, batch: Batch, sbatch: SamplingBatch) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(out):
-            logits = self.graphs.run(batch)
-        else:
-            hidden = self.model(batch, self.kv_cache)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return sample(logits, sbatch, self.model.ops.race_sample)
+    def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
+        """These rows of the block table, as many columns as the longest request needs (columns first,
+        then rows: numpy's mixed indexing, table[rows, :width], is several times slower)."""
+        return self.table[:, :-(-max_seq_len // self.block_size)][rows]
+
+    def sampled(self, out, tokens: torch.Tensor, sampling: tuple):
+        """The step's sampled tokens (S,) on the device, for the next step's PLACEHOLDER inputs."""
+        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
 
     @property
     def prev_rows(self) -> dict:
@@ -1095,41 +847,91 @@ class ModelRunner:
         return self._prev_rows
 
 
+class ModelRunner:
+    """Owns the KV cache and the graphs; runs a step's forward (graphed or eager) and its sampler."""
+
+    def __init__(self, model: Model, cfg: EngineConfig, num_blocks: int, max_len: int, inputs: InputBuilder):
+        mc = model.config
+        self.model, self.cfg, self.inputs, self.device = model, cfg, inputs, torch.device(cfg.device)
+        self.max_blocks_per_seq = -(-max_len // cfg.block_size)
+        # One extra block at the end: the scratch block. The block manager never hands it out; padding
+        # tokens (slot -1) write there, so they can never touch a real request's KV.
+        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
+                                    mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
+        self.stats = StepStats(cuda=self.device.type == "cuda")
+        self.graphs = None
+        if not cfg.enforce_eager:
+            tokens = () if cfg.cudagraph_mode == "full_decode_only" else \
+                (cfg.graph_token_buckets or default_token_buckets(cfg.max_num_batched_tokens))
+            self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq, cfg.max_num_seqs,
+                                      cfg.graph_buckets or default_buckets(cfg.max_num_seqs), list(tokens),
+                                      capture=self.device.type == "cuda")
+
+    def close(self):
+        """Drop every tensor this runner holds: the KV cache, the graphs (and their memory pool), the
+        staging buffers, last step's tokens and the model (Engine.close)."""
+        self.kv_cache = self.graphs = self.model = self.inputs = None
+
+    def execute(self, out) -> torch.Tensor:
+        """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
+        batch, sbatch, sampling = self.inputs.prepare(out)
+        t0, start = time.perf_counter(), self.stats.start()
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # eager: the forward's activations are freed on return
+            logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
+        tokens = sample(logits, sbatch, self.model.ops.race_sample)
+        self.stats.end(start, prompt=not out.is_decode)
+        self.stats.forward_s += time.perf_counter() - t0
+        self.inputs.sampled(out, tokens, sampling)
+        return tokens
+
+
 class StepStats:
     """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
-    (so: scheduling, batch building, bookkeeping). With gpu_timing on (CUDA, benchmarks only), a pair of
-    events per step measures its device time; off by default, so a long-running engine creates none."""
+    (scheduling, batch building, bookkeeping). With `timing` on (benchmarks) each step's time is kept,
+    tagged by kind (with prompt tokens, or decode only): device time from a pair of CUDA events on CUDA,
+    the forward's wall time on the CPU (where it is synchronous). Off by default: no events are made."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.gpu_timing = cuda, False
+        self.cuda, self.timing = cuda, False
         self.reset()
 
     def reset(self):
         self.steps = self.tokens = 0
         self.total_s = self.forward_s = self.wait_s = 0.0
-        self.events = []
+        self.events = []  # (start, end or None, has prompt tokens)
 
     @property
     def host_s(self) -> float:
         return self.total_s - self.forward_s - self.wait_s
 
-    def gpu_start(self):
-        if not (self.cuda and self.gpu_timing):
+    def start(self):
+        if not self.timing:
             return None
+        if not self.cuda:
+            return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def gpu_end(self, start):
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events.append((start, end))
+    def end(self, start, prompt: bool):
+        if start is None:
+            return
+        if not self.cuda:
+            self.events.append((time.perf_counter() - start, None, prompt))
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.events.append((start, end, prompt))
+
+    def step_seconds(self) -> list[tuple[float, bool]]:
+        """(seconds, has prompt tokens) of each timed step."""
+        if self.cuda and self.events:
+            self.events[-1][1].synchronize()
+        return [(a.elapsed_time(b) / 1e3 if self.cuda else a, prompt) for a, b, prompt in self.events]
 
     def gpu_seconds(self) -> float:
-        if self.events:
-            self.events[-1][1].synchronize()
-        return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        return sum(s for s, _ in self.step_seconds())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1140,54 +942,61 @@ class StepStats:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int]           # output tokens so far ("delta": only the new ones)
+    new_token_ids: list[int]       # the tokens this output adds to the last one
     text: str | None
-    finish_reason: str | None
-    finished: bool = True
+    finished: bool
+    finish_reason: str | None      # "stop", "length" or "abort"; None while running
+    metrics: dict                  # arrival, first_scheduled, first_token, finished times; ttft, tpot (s)
 
 
 class Engine:
-    """add_request / abort / step / step_async / has_unfinished, over a scheduler and a model runner."""
+    """add_request / abort / step / step_async / has_unfinished / stream, over a scheduler and a model runner."""
 
     def __init__(self, cfg: EngineConfig | None = None, **settings):
         cfg = cfg or EngineConfig(**settings)
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"cfg={cfg!r:.80} has type {type(cfg).__name__}: give an EngineConfig, or the "
                             "settings as keywords (Engine(model=...))")
-        self.cfg = cfg
+        self.cfg, self.cuda = cfg, cfg.device.startswith("cuda")
         self.model, folder = build_model(cfg)
         self.tokenizer = load_tokenizer(folder)
         mc = self.model.config
         self.max_model_len = max_model_len(cfg, mc)
         num_blocks = cfg.num_blocks or self._blocks_for_memory()
-        self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.max_model_len, mc.eos_token_ids)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
-        # Finished, aborted or preempted requests give their rows back. The runner's bound method, not a
+        steady = "steady" in cfg.tuned  # Part 2: the steady-decode host path
+        blocks = BlockManager(num_blocks, cfg.block_size)
+        self.book = (SteadyBook if steady else RequestBook)(blocks, self.max_model_len, mc.eos_token_ids)
+        self.scheduler = (SteadyScheduler if steady else Scheduler)(self.book, cfg.max_num_seqs,
+                                                                   cfg.max_num_batched_tokens)
+        max_blocks = -(-self.max_model_len // cfg.block_size)
+        inputs = (SteadyInputBuilder if steady else InputBuilder)(cfg, mc.vocab_size, max_blocks)
+        # Finished, aborted or preempted requests give their rows back. The builder's bound method, not a
         # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
-        self.scheduler.on_release = self.runner.release
+        self.book.on_release = inputs.release
+        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len, inputs)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
         self.readback = None  # async on CUDA: two pinned token buffers, alternating
-        self.cuda = cfg.device.startswith("cuda")
         self._ids = 0
-        self.aborted: list[Request] = []  # aborted since the last step, which returns them
 
     def _blocks_for_memory(self) -> int:
         """On CUDA, as in vLLM: the KV cache takes gpu_memory_utilization of the GPU's memory less this
-        engine's weights and CUDA_HEADROOM_BYTES. That depends on nothing else in the process, so an engine
-        made after another was closed or dropped gets as many blocks as the first. Only where less is free
-        (another engine or process holds it) is the cache cut to what is."""
+        engine's weights, a step's activations (which bound the graphs' pool) and CUDA_SPARE_BYTES. That
+        depends on nothing else in the process, so an engine made after another was closed or dropped gets
+        as many blocks as the first. Only where less is free (another engine holds it) is it cut."""
         mc = self.model.config
         per_block = 2 * mc.num_layers * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * \
             self.model.lm_head.weight.element_size()
-        if not self.cfg.device.startswith("cuda"):
+        if not self.cuda:
             return max(16, CPU_KV_BYTES // per_block)
         gc.collect()  # a dropped engine that another library's reference cycle still holds lets go now
         torch.cuda.empty_cache()  # dropped engines and the unfused weights left memory in torch's cache
+        activations = self._activation_bytes()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         util, weights = self.cfg.gpu_memory_utilization, param_bytes(self.model)
-        budget = min(total * util - weights, free) - CUDA_HEADROOM_BYTES
+        budget = min(total * util - weights, free) - activations - CUDA_SPARE_BYTES
         if budget < per_block:
             raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV cache: {free / 2**30:.1f} "
                              f"of {total / 2**30:.1f} GiB are free with the weights ({weights / 2**30:.1f} GiB) "
@@ -1195,31 +1004,30 @@ class Engine:
                              "a smaller model")
         return int(budget // per_block)
 
-    # -- life cycle ---------------------------------------------------------------------------------------
-    def close(self):
-        """Give the engine's memory back now: KV cache, CUDA graphs and their memory pool, staging buffers
-        and weights, then torch's cache on CUDA. Using the engine afterwards raises ValueError; closing
-        twice does nothing. Dropping the last reference frees the same, short of emptying torch's cache
-        (the next engine does that before it sizes its KV cache)."""
-        if self.runner is None:
-            return
-        if self.cuda:
-            torch.cuda.synchronize()  # a step in flight still reads the cache and writes its tokens
-        self.runner.close()
-        self.runner = self.scheduler = self.model = self.tokenizer = None
-        self.inflight = self.readback = None
-        if self.cuda:
-            torch.cuda.empty_cache()
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-
-    def _check_open(self):
-        if self.runner is None:
-            raise ValueError("this engine is closed (close() gave its memory back); make a new LLM or Engine")
+    def _activation_bytes(self) -> int:
+        """The most memory a step takes beyond the weights, measured as vLLM does: one forward of a full
+        step (max_num_batched_tokens tokens) on a dummy two-block cache. The graphs' shared pool holds the
+        largest graph's activations, so this counts them too, plus the graphs' static logits buffer."""
+        mc, cfg = self.model.config, self.cfg
+        T = min(cfg.max_num_batched_tokens, self.max_model_len)
+        kv = torch.zeros(2, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                         dtype=self.model.lm_head.weight.dtype, device=cfg.device)
+        dev = torch.device(cfg.device)
+        batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+                      positions=torch.arange(T, device=dev), slot_mapping=torch.full((T,), -1, device=dev),
+                      query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=dev),
+                      seq_lens=torch.tensor([T], device=dev),
+                      block_table=torch.zeros(1, -(-T // cfg.block_size), dtype=torch.int32, device=dev),
+                      logits_indices=torch.arange(min(T, cfg.max_num_seqs), device=dev), max_query_len=T,
+                      max_seq_len=T)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(batch, kv)[batch.logits_indices])
+        torch.cuda.synchronize()
+        logits_buffer = cfg.max_num_seqs * mc.vocab_size * self.model.lm_head.weight.element_size()
+        return torch.cuda.max_memory_allocated() - base + logits_buffer
 
     # -- requests ---------------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
@@ -1254,7 +1062,7 @@ class Engine:
         self._check_open()
         params = check_params("params", params)
         check_type("request_id", request_id, "str", optional=True)
-        if request_id in self.scheduler.requests:
+        if request_id in self.book.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         ids = self.tokenize(prompt)
         vocab, limit = self.model.config.vocab_size, self.max_model_len
@@ -1269,7 +1077,7 @@ class Engine:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most "
                              f"{limit - 1}")
-        capacity = self.scheduler.blocks.num_blocks * self.cfg.block_size
+        capacity = self.book.blocks.num_blocks * self.cfg.block_size
         need = min(len(ids) + params.max_tokens, limit)
         if need > capacity:
             raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_tokens "
@@ -1280,11 +1088,11 @@ class Engine:
     def _add(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request that _check has passed."""
         if request_id is None:  # the next number that no request uses (a caller may have picked it as an id)
-            while str(self._ids) in self.scheduler.requests:
+            while str(self._ids) in self.book.requests:
                 self._ids += 1
             request_id, self._ids = str(self._ids), self._ids + 1
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        self.scheduler.add(Request(request_id, ids, params, seed))
+        self.book.add(Request(request_id, ids, params, seed))
         return request_id
 
     def abort(self, request_id: str):
@@ -1294,34 +1102,34 @@ class Engine:
         finished id is ignored."""
         check_type("request_id", request_id, "str")
         self._check_open()
-        req = self.scheduler.requests.get(request_id)
+        req = self.book.requests.get(request_id)
         if req is not None:
-            self.scheduler.finish(req, "abort")
-            self.aborted.append(req)
+            self.book.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
         """Requests to run, a step in flight, or aborted requests not yet returned."""
         self._check_open()
-        return self.scheduler.has_unfinished() or self.inflight is not None or bool(self.aborted)
+        return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted)
 
     # -- steps --------------------------------------------------------------------------------------------
     @property
-    def stats(self) -> "StepStats":
+    def stats(self) -> StepStats:
         return self.runner.stats
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, read the tokens back (one host sync), update. Returns the requests that finished."""
+        """Schedule, run, read the tokens back (one host sync), update. Returns an output for each request
+        that got a token (or finished) in this step, as its output_kind asks."""
         self._check_open()
         t0 = time.perf_counter()
-        finished = self._land() if self.inflight else []  # switching from async: land its step first
+        report = self._land() if self.inflight else []  # switching from async: land its step first
         out = self.scheduler.schedule()
         if out.requests:
             tokens = self.runner.execute(out)
             t1 = time.perf_counter()
             tokens = tokens.cpu().numpy()
             self.stats.wait_s += time.perf_counter() - t1
-            finished += self.scheduler.update(out, tokens)
-        return self._outputs(out, finished, t0)
+            report += self.book.update(out, tokens)
+        return self._outputs(out, report, t0)
 
     def step_async(self) -> list[RequestOutput]:
         """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
@@ -1331,15 +1139,15 @@ class Engine:
         launched = None
         if out.requests:
             tokens = self.runner.execute(out)
-            slots = self.scheduler.append_placeholders(out)
-            launched = (slots, *self._copy_to_host(tokens))
-        finished = self._land() if self.inflight else []
+            launched = (self.book.append_placeholders(out), *self._copy_to_host(tokens))
+        report = self._land() if self.inflight else []
         self.inflight = launched
-        return self._outputs(out, finished, t0)
+        return self._outputs(out, report, t0)
 
-    def _outputs(self, out, finished: list[Request], t0: float) -> list[RequestOutput]:
-        outputs = [self.output(r) for r in self.aborted + finished]
-        self.aborted = []
+    def _outputs(self, out, report: list[Request], t0: float) -> list[RequestOutput]:
+        report += self.book.aborted
+        self.book.aborted = []
+        outputs = [self.output(r) for r in report]
         st = self.stats
         st.steps += bool(out.requests)
         st.tokens += out.num_samples
@@ -1347,10 +1155,10 @@ class Engine:
         return outputs
 
     def _copy_to_host(self, tokens: torch.Tensor):
-        """Start the copy of a step's tokens into pinned memory; an event says when they have landed.
-        Two persistent buffers alternate (one step is in flight at most): allocating pinned memory per
-        step could synchronise the device, which is the one thing this path must not do."""
-        if not self.cuda:  # (not tokens.device.type: that alone cost ~20 us a step on a cold CPU)
+        """Start the copy of a step's tokens into pinned memory; an event says when they have landed. Two
+        persistent buffers alternate (one step is in flight at most): allocating pinned memory per step
+        could synchronise the device, which is the one thing this path must not do."""
+        if not self.cuda:
             return tokens, None
         if self.readback is None:
             self.readback = [torch.empty(self.cfg.max_num_seqs, dtype=torch.int64, pin_memory=True)
@@ -1370,13 +1178,71 @@ class Engine:
             event.synchronize()
         tokens = host.numpy()
         self.stats.wait_s += time.perf_counter() - t
-        return self.scheduler.fill(slots, tokens)
+        return self.book.fill(slots, tokens)
 
     def output(self, req: Request) -> RequestOutput:
         ids = req.output_token_ids
+        new, req.num_reported = ids[req.num_reported:], len(ids)
+        finished = req.status == FINISHED
+        if req.params.output_kind == "final_only" and not finished:
+            raise AssertionError(f"{req.request_id} asked for its final output only")
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
-        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens], ids, text,
-                             req.finish_reason, req.status == FINISHED)
+        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens],
+                             new if req.params.output_kind == "delta" else ids, new, text, finished,
+                             req.finish_reason, request_metrics(req))
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Add one request and yield its outputs as they arrive (output_kind "delta" unless given), while
+        stepping the engine, whose other requests go on too."""
+        params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
+                                                                  params.output_kind != "final_only" else "delta"))
+        rid = self.add_request(prompt, params)
+        step = self.step_async if self.cfg.async_scheduling else self.step
+        while True:
+            for o in step():
+                if o.request_id == rid:
+                    yield o
+                    if o.finished:
+                        return
+
+    # -- life cycle ---------------------------------------------------------------------------------------
+    def close(self):
+        """Give the engine's memory back now: KV cache, CUDA graphs and their memory pool, staging buffers
+        and weights, then torch's cache on CUDA. Using the engine afterwards raises ValueError; closing
+        twice does nothing. Dropping the last reference frees the same, short of emptying torch's cache
+        (the next engine does that before it sizes its KV cache)."""
+        if self.runner is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()  # a step in flight still reads the cache and writes its tokens
+        self.runner.close()
+        self.runner = self.scheduler = self.book = self.model = self.tokenizer = None
+        self.inflight = self.readback = None
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _check_open(self):
+        if self.runner is None:
+            raise ValueError("this engine is closed (close() gave its memory back); make a new LLM or Engine")
+
+
+def request_metrics(req: Request) -> dict:
+    """The request's times (time.perf_counter seconds) and what derives from them: time to first token, and
+    time per output token after the first."""
+    m = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+             first_token_time=req.first_token_time, finished_time=req.finished_time, ttft=None, tpot=None)
+    if req.first_token_time is not None:
+        m["ttft"] = req.first_token_time - req.arrival_time
+        n = len(req.output_token_ids)
+        if req.finished_time is not None and n > 1:
+            m["tpot"] = (req.finished_time - req.first_token_time) / (n - 1)
+    return m
 
 
 def load_tokenizer(folder: str | None):
@@ -1390,21 +1256,10 @@ def load_tokenizer(folder: str | None):
 
 
 class LLM:
-    """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) -> outputs in input order.
-    `with LLM(...) as llm:` gives its memory back on leaving the block (close())."""
+    """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) -> outputs in input order."""
 
     def __init__(self, model: str = "tiny", **settings):
         self.engine = Engine(EngineConfig(model=model, **settings))
-
-    def close(self):
-        """Engine.close: the KV cache, graphs and weights go now; generate then raises ValueError."""
-        self.engine.close()
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
 
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
         """prompts: one prompt (text, or a list of token ids) or a list of them; sampling_params: one
@@ -1424,13 +1279,24 @@ class LLM:
                 checked.append(engine._check(prompt, p, None))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
-        ids = [engine._add(tokens, p) for tokens, p in checked]
+        # one output per prompt, as vLLM's LLM asks for
+        ids = [engine._add(tokens, replace(p, output_kind="final_only")) for tokens, p in checked]
         done = {}
         step = engine.step_async if engine.cfg.async_scheduling else engine.step
         while engine.has_unfinished():
             for o in step():
                 done[o.request_id] = o
         return [done[rid] for rid in ids]
+
+    def close(self):
+        """Engine.close: the KV cache, graphs and weights go now; generate then raises ValueError."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
 
 
 def prompt_list(prompts) -> list:
@@ -1455,3 +1321,209 @@ def check_params(name: str, params) -> SamplingParams:
         raise TypeError(f"{name}={params!r:.80} has type {type(params).__name__}: give a SamplingParams, or None "
                         "for the defaults")
     return params
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Part 2: the tuned path. Each variant is a switch (EngineConfig.tuned) with a row in BENCHMARKS.md.
+
+TUNED = {
+    "gemv": "kernels.linear for decode-sized matmuls, add_rmsnorm in its prologue, silu_and_mul in its epilogue",
+    "pdl": "programmatic dependent launch for every Triton kernel (Hopper)",
+    "decode_attention": "kernels.decode_attention: RoPE + KV write inside, split-KV, packed kv heads",
+    "moe_decode": "kernels.fused_moe_decode up to 4 tokens",
+    "moe_route": "kernels.moe_route instead of torch's five routing ops",
+    "sampler": "kernels.race_sample instead of the torch race",
+    "steady": "the steady-decode host path (scheduler.SteadyDecode, DecodeRows)",
+}
+
+
+def tuned_variants(tuned) -> frozenset:
+    """True: every variant; False: none; "a,b": those; "-a,-b": all but those."""
+    if tuned is True or tuned is False:
+        return frozenset(TUNED) if tuned else frozenset()
+    names = [n.strip() for n in tuned.split(",") if n.strip()] if isinstance(tuned, str) else list(tuned)
+    bad = [n for n in names if n.lstrip("-") not in TUNED]
+    if bad or (names and len({n.startswith("-") for n in names}) > 1):
+        raise ValueError(f"tuned={tuned!r} is invalid: give True, False, or names from {', '.join(TUNED)} "
+                         "(all with a leading '-' for all but those)")
+    if names and names[0].startswith("-"):
+        return frozenset(TUNED) - {n[1:] for n in names}
+    return frozenset(names)
+
+
+def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> SimpleNamespace:
+    """Swap the variants named in cfg.tuned into the textbook ops. Without Triton (the CPU) each variant is
+    its reference, which computes what the textbook ops do, so the tuned forward's structure is tested."""
+    v, triton = cfg.tuned, cfg.triton
+    pdl = triton and "pdl" in v and kernels.has_pdl(torch.device(cfg.device))
+    if pdl:  # the Part 1 launchers too: a non-PDL kernel in the chain would stop the overlap on both sides
+        for name in ("add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", "fused_moe"):
+            setattr(ops, name, partial(getattr(ops, name), pdl=True))
+    pick = lambda name: partial(getattr(kernels, name), pdl=pdl) if triton else getattr(kernels, name + "_ref")  # noqa
+    if "gemv" in v:
+        # One row: the Triton matmul streams a decode matrix faster than cuBLAS on every model. Up to 64 rows
+        # (and 256 on the narrow matrices, where cuBLAS splits K) only on small models; past that, and on
+        # Llama-3-8B's shapes from 4 rows, cuBLAS wins (BENCHMARKS.md).
+        cuda, small = cfg.device.startswith("cuda") and triton, mcfg.hidden_size <= 1024
+        rows = cfg.triton_linear_rows if cfg.triton_linear_rows is not None else (64 if small else 1) * cuda
+        narrow = cfg.triton_narrow_rows if cfg.triton_narrow_rows is not None else \
+            kernels.LINEAR_MAX_M * (cuda and small and cfg.triton_linear_rows is None)
+        if triton:
+            ops.linear = partial(kernels.linear, max_rows=rows, narrow_rows=narrow, pdl=pdl)
+        ops.add_rmsnorm_linear = partial(kernels.add_rmsnorm_linear, max_rows=rows, narrow_rows=narrow, pdl=pdl) \
+            if triton else kernels.add_rmsnorm_linear_ref
+    if "decode_attention" in v:
+        ops.decode_attention = pick("decode_attention")
+        if triton:
+            ops.decode_context_bounds = kernels.decode_context_bounds
+    if "moe_decode" in v:
+        ops.fused_moe = partial(kernels.fused_moe_tuned, pdl=pdl) if triton else kernels.fused_moe_ref
+    if "moe_route" in v:
+        ops.moe_route = pick("moe_route")
+    if "sampler" in v:
+        ops.race_sample = pick("race_sample")
+    return ops
+
+
+@dataclass(eq=False)
+class DecodeRows:
+    """A decode batch kept from step to step while the running set is unchanged (scheduler.SteadyDecode):
+    every request moves on by one token, so its position, KV slot and sequence length are all +1 and its
+    sampling settings do not change. The arrays are advanced in place; a row whose new token starts a
+    block takes it from the plan. The settings, query_start_loc and logits_indices are staged once."""
+    steady: object                 # the SteadyDecode these rows follow
+    step: int                      # the scheduler step the arrays hold
+    rows: np.ndarray               # (n,) each request's persistent row
+    ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (= the sequence lengths)
+    rows64: tuple                  # ints64's rows as views: staged as they are (on the CPU Staging reuses them)
+    max_seq_len: int               # the counters' max, moved on with them
+    block_table: np.ndarray        # (n, width) int32: the columns this step's longest request needs
+    query_start_loc: torch.Tensor  # (n + 1,) int32 on the device: 0, 1, ..., n
+    logits_indices: torch.Tensor   # (n,) int64 on the device: every row samples
+    sampling: SamplingBatch        # its counters are replaced each step
+
+
+class SteadyInputBuilder(InputBuilder):
+    """InputBuilder whose steady-decode steps are last step's batch one token on (DecodeRows), with last
+    step's sampled tokens as inputs straight from the device: a few numpy operations at any batch size."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode: DecodeRows | None = None
+        self.prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
+
+    def rows(self, out) -> np.ndarray:
+        """A standing SteadyDecode holds the blocks it handed out (`entered`) until it is dropped: they are
+        appended here, in the order they were handed out."""
+        rows = super().rows(out)
+        if out.steady is not None:
+            for due, blocks in out.steady.entered:
+                r = rows[due]
+                self.table[r, self.row_nblocks[r]] = blocks
+                self.row_nblocks[r] += 1
+        return rows
+
+    def sampled(self, out, tokens, sampling):
+        super().sampled(out, tokens, sampling)
+        self.prev_steady = out.steady
+
+    def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
+        if out.steady is None:
+            return super().prepare(out)
+        kept = None if out.requests is self.prev_sampling else self._kept(out)
+        if out.requests is self.prev_sampling or kept is not None:
+            return self._prepare_steady(out, kept)
+        return self._prepare_formed(out)
+
+    def _kept(self, out) -> np.ndarray | None:
+        """Where some requests of last step's steady decode have left it since: last step's indices of the
+        requests `out` decodes (their tokens are only in last step's output); else None."""
+        prev = self.prev_steady
+        if prev is None or prev is out.steady or self.prev_sampling is not prev.requests:
+            return None
+        return out.steady.kept_of(prev)
+
+    def _prepare_steady(self, out, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
+        """A decode of the same requests as last step, or of those still running (last step's indices
+        `kept`): inputs are last step's sampled tokens, the rest is last step's batch one token on."""
+        d = self.decode
+        assert d is not None and d.steady is (out.steady if kept is None else self.prev_steady) and \
+            d.step == out.step - 1, f"step {out.step}: the decode rows do not follow last step's set"
+        if kept is None:
+            self._advance(d, out)
+        else:
+            self._condense(d, out, kept)
+        (positions, slots, counters, *kept_t), (block_table,) = self.staging.to_device(
+            list(d.rows64) + ([] if kept is None else [kept]), [d.block_table])
+        input_ids = self.prev_tokens if kept is None else self.prev_tokens[kept_t[0]]
+        if kept is not None:  # the sampling settings of the rows that stay, gathered on the device
+            sp, k = d.sampling, kept_t[0]
+            d.sampling = SamplingBatch(temperature=sp.temperature[k], top_k=sp.top_k[k], top_p=sp.top_p[k],
+                                       seeds=sp.seeds[k], counters=None, all_greedy=not self.temperature[d.rows].any(),
+                                       need_filter=bool(self.filtered[d.rows].any()))
+        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, out.requests
+
+    def _prepare_formed(self, out) -> tuple[Batch, SamplingBatch, tuple]:
+        """The first step of a steady decode: its rows are built now, so the next step only advances them.
+        Its inputs are the requests' last tokens, or where one is in flight (async), last step's output."""
+        d = self.decode = self._decode_rows(out)
+        reqs = out.requests
+        ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
+        fills = np.flatnonzero(ids == PLACEHOLDER)
+        src = np.array([self.prev_rows[reqs[i]] for i in fills.tolist()], dtype=np.int64)
+        (input_ids, fills, src, positions, slots, counters), (block_table,) = self.staging.to_device(
+            [ids, fills, src, *d.rows64], [d.block_table])
+        if len(fills):
+            input_ids[fills] = self.prev_tokens[src]
+        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, reqs
+
+    @staticmethod
+    def _rows_batch(d: DecodeRows, input_ids, positions, slots, counters, block_table) -> Batch:
+        """The Batch of a steady decode's rows; the counters (the sampled token's index, = the sequence
+        length) are the sampler's too."""
+        d.sampling.counters = counters
+        return Batch(input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=d.query_start_loc,
+                     seq_lens=counters, block_table=block_table, logits_indices=d.logits_indices, max_query_len=1,
+                     max_seq_len=d.max_seq_len)
+
+    def _decode_rows(self, out) -> DecodeRows:
+        """The decode batch of out's requests; what stays the same while they run together is staged now."""
+        pos, rows, n = out.starts, self.rows(out), len(out.requests)
+        temperature = self.temperature[rows]
+        (seeds, top_k, logits_indices), (qsl,), (temperature_t, top_p) = self.staging.to_device(
+            [self.seed[rows], self.top_k[rows], np.arange(n, dtype=np.int64)],
+            [np.arange(n + 1, dtype=np.int32)], [temperature, self.top_p[rows]])
+        sampling = SamplingBatch(temperature=temperature_t, top_k=top_k, top_p=top_p, seeds=seeds, counters=None,
+                                 all_greedy=not temperature.any(), need_filter=bool(self.filtered[rows].any()))
+        ints64 = np.stack([pos, self._slots(rows, pos), pos + 1])
+        max_seq_len = int(pos.max()) + 1
+        return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
+                          max_seq_len=max_seq_len, block_table=self._block_table(rows, max_seq_len),
+                          query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
+
+    def _condense(self, d: DecodeRows, out, kept: np.ndarray):
+        """Some requests left since last step: keep the rows of those that stay, in order, then one token on."""
+        n = len(kept)
+        # C order, as np.stack made it: each of its rows is then one array, staged as it is (rows64)
+        d.steady, d.rows, d.ints64 = out.steady, d.rows[kept], np.ascontiguousarray(d.ints64[:, kept])
+        d.rows64, d.max_seq_len = tuple(d.ints64), int(d.ints64[2].max())
+        d.block_table = self._block_table(d.rows, d.max_seq_len)
+        d.query_start_loc, d.logits_indices = d.query_start_loc[:n + 1], d.logits_indices[:n]
+        self._advance(d, out)
+
+    def _advance(self, d: DecodeRows, out):
+        """Every request one token on. Those whose new token starts a block (the plan's `entering`) take
+        their slot from it, and the block table gains it."""
+        d.ints64 += 1  # positions, slots and counters in one operation
+        d.max_seq_len += 1
+        d.step = out.step
+        entering, blocks = out.entering
+        if len(entering):
+            rows, cols = d.rows[entering], d.ints64[0, entering] // self.block_size
+            self.table[rows, cols] = blocks
+            self.row_nblocks[rows] = cols + 1
+            d.ints64[1, entering] = blocks * self.block_size
+            if -(-d.max_seq_len // self.block_size) == d.block_table.shape[1]:
+                d.block_table[entering, cols] = blocks  # in place: on the CPU the array keeps its staged view
+            else:  # the longest request has entered a new block: one more column
+                d.block_table = self._block_table(d.rows, d.max_seq_len)

@@ -1,30 +1,30 @@
-"""Requests, the paged block manager with prefix caching, and the continuous-batching scheduler.
+"""Requests, the paged block manager with prefix caching, and continuous batching.
 
 This file knows token ids, block ids and counts, and nothing of torch or of the model: nanoengine.py turns
-what `Scheduler.schedule()` returns into tensors. It imports nothing from the rest of nanoengine. It also
-holds the checks of user input that both files use (check_type, require): SamplingParams checks itself.
+what `Scheduler.schedule()` plans into tensors (a `Batch`, declared here so that graphs.py and nanoengine.py
+share it from below). It imports nothing from the rest of nanoengine.
 
 The life of a request: WAITING (queued, or preempted) -> RUNNING (holds KV blocks; each step computes some
 of its tokens: a chunk of its prompt, or the one token it sampled last) -> FINISHED (blocks returned).
 
-Most steps are plain decodes of an unchanged running set. Those take a fast path (`SteadyDecode`) whose
-cost is a few numpy operations and one tight loop, however many requests run: see its docstring.
+Part 1 is the chapter: `BlockManager` (blocks, prefix cache), `RequestBook` (the requests and what happens
+to them after a step) and `Scheduler` (what runs next). Part 2 is the tuned host path: a decode of an
+unchanged running set planned on arrays (`SteadyDecode`), so a step costs the same at 1 request or 256.
 """
+from __future__ import annotations
+
 import itertools
 import math
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-NO_ONE = np.zeros(0, dtype=np.int64)  # an empty selection of requests
-# The most steps whose tokens a SteadyDecode holds (see there); a full one leaves a step to the general path,
-# which gives the requests their tokens. 256 steps of 256 requests are 512 KB.
-STEADY_MAX_STEPS = 256
-
-# A token that has been sampled on the device but not yet read back to the host (async scheduling). The
-# next step feeds it to the model straight from the device; the host fills it in one step later.
+# A token sampled on the device but not yet read back (async scheduling). The next step feeds it to the
+# model straight from the device; the host fills it in one step later.
 PLACEHOLDER = -1
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 def is_int(x) -> bool:
@@ -59,6 +59,9 @@ def require(ok: bool, name: str, value, allowed: str):
 
 
 SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
+# What a request's outputs carry, as vLLM's RequestOutputKind: every step its tokens so far, every step
+# only the new ones, or one output when it finishes (LLM.generate's choice).
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -76,10 +79,12 @@ class SamplingParams:
     seed: int | None = None     # per-request seed: the same tokens whatever else is in the batch (int64)
     stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos); None: none
     ignore_eos: bool = False    # keep going past eos (benchmarks)
+    output_kind: str = "cumulative"  # outputs every step with all tokens so far, every step with the new
+                                     # ones ("delta"), or once at the end ("final_only"), as vLLM's
 
     def __post_init__(self):
         for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"),
-                           ("max_tokens", "int"), ("ignore_eos", "bool")):
+                           ("max_tokens", "int"), ("ignore_eos", "bool"), ("output_kind", "str")):
             check_type(name, getattr(self, name), kind)
         check_type("seed", self.seed, "int", optional=True)
         check_type("stop_token_ids", self.stop_token_ids, "ints", optional=True)
@@ -90,6 +95,7 @@ class SamplingParams:
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         require(self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed,
                 "None or an integer in [-2**63, 2**63)")
+        require(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind, " or ".join(OUTPUT_KINDS))
         stop = tuple(int(t) for t in self.stop_token_ids or ())
         require(all(t >= 0 for t in stop), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
         # numpy scalars become Python's: the scheduler and the runner read plain ints and floats
@@ -98,14 +104,10 @@ class SamplingParams:
         self.seed = None if self.seed is None else int(self.seed)
 
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
 @dataclass(eq=False)
 class Request:
     request_id: str
-    token_ids: list[int]              # prompt + generated tokens (the last ones may be PLACEHOLDERs);
-                                      # while a SteadyDecode stands, the newest wait in its `tokens`
+    token_ids: list[int]              # prompt + generated tokens (the last ones may be PLACEHOLDERs)
     params: SamplingParams
     seed: int                         # params.seed, or one drawn by the engine
     num_prompt_tokens: int = 0
@@ -115,9 +117,15 @@ class Request:
     status: str = WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival: int = 0                  # FCFS order, kept through preemption
-    stop_ids: frozenset = frozenset() # eos (unless ignore_eos) and stop_token_ids: set by Scheduler.add
-    max_len: int = 0                  # token count at which it stops for length: set by Scheduler.add
+    stop_ids: frozenset = frozenset()  # eos (unless ignore_eos) and stop_token_ids: set by RequestBook.add
+    max_len: int = 0                  # token count at which it stops for length: set by RequestBook.add
     last_step: int = -1               # the last step that scheduled it (preemption spares those)
+    num_reported: int = 0             # output tokens already returned in outputs (for "delta")
+    # Times (time.perf_counter): arrival, first scheduled, first token on the host, finished
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
@@ -134,15 +142,18 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens the host has (without the ones still in flight)."""
+        ids = self.token_ids[self.num_prompt_tokens:]
+        while ids and ids[-1] == PLACEHOLDER:
+            ids = ids[:-1]
+        return ids
 
 
 def block_key(parent: int, tokens) -> tuple:
     """A block's identity in the prefix cache: its tokens AND everything before it, as (the prefix id of
-    the block before it, 0 for none; its tokens). The cache is a dict, which compares keys exactly, so two
-    different prefixes can never meet in one entry, as two hashes can collide. Each published block gets
-    a new prefix id, never reused, so an evicted block's successors cannot be reached through whatever
-    takes its place. A tuple key costs a quarter of a blake2b hash of the tokens' bytes."""
+    the block before it, 0 for none; its tokens). A dict compares keys exactly, so two prefixes never meet
+    in one entry, as two hashes can collide. Each published block gets a new prefix id, never reused, so
+    an evicted block's successors cannot be reached through whatever takes its place."""
     return parent, tuple(tokens)
 
 
@@ -150,15 +161,12 @@ class BlockManager:
     """Hands out KV blocks, ref-counted, with prefix caching.
 
     A full block of real tokens is published under its key (block_key): a prompt's blocks as soon as they
-    are computed (requests that share a system prompt find them while the first one still runs), the
-    blocks a request fills while decoding only when it lets go of them (finish, abort, preemption), as
-    SGLang inserts a request into its radix cache when it finishes. Decode blocks are what a later
-    request reuses only once their request is done (a conversation's next turn, a recompute), and
-    publishing them as they fill would cost each decode step a visit to every request whose block fills:
-    at 256 requests, most of them on the same step. When its last user lets go a block is not wiped: it
-    waits in an LRU list of cached-free blocks, reusable by a later request with the same prefix until
-    the allocator evicts it. The runner's extra scratch block (index num_blocks) is not known here,
-    so it can never be handed out.
+    are computed (requests that share a system prompt find them while the first still runs), the blocks a
+    request fills while decoding when it lets go of them (finish, abort, preemption), as SGLang inserts a
+    request into its radix cache when it finishes. A block whose last user lets go is not wiped: it waits
+    in an LRU list of cached-free blocks, reusable by a later request with the same prefix until the
+    allocator evicts it. The runner's scratch block (index num_blocks) is not known here, so it can never
+    be handed out.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -169,7 +177,7 @@ class BlockManager:
         self.block_of: dict[tuple, int] = {}        # published key -> block
         self._prefix_ids = itertools.count(1)       # 0 is the empty prefix
         self.free = deque(range(num_blocks))        # never published, or evicted
-        self.cached_free: OrderedDict[int, None] = OrderedDict()  # published, unused; oldest first
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # published, unused; least recent first
 
     @property
     def num_free_blocks(self) -> int:
@@ -187,12 +195,9 @@ class BlockManager:
         """Blocks already holding a prefix of req's tokens. The last token is always left to compute,
         since its logits are what the step needs."""
         blocks, parent = [], 0
-        n_full = (len(req.token_ids) - 1) // self.block_size
-        for i in range(n_full):
+        for i in range((len(req.token_ids) - 1) // self.block_size):
             tokens = req.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            if PLACEHOLDER in tokens:
-                break
-            block = self.block_of.get(block_key(parent, tokens))
+            block = None if PLACEHOLDER in tokens else self.block_of.get(block_key(parent, tokens))
             if block is None:
                 break
             blocks.append(block)
@@ -217,40 +222,29 @@ class BlockManager:
         need = self.blocks_needed(req, num_tokens)
         if need > self.num_free_blocks:
             return False
-        self.give(req, need)
+        req.block_ids += self.take(need)
         return True
-
-    def give(self, req: Request, n: int):
-        """n more blocks for req; the caller has checked that there are enough free."""
-        req.block_ids += self.take(n)
 
     def take(self, n: int) -> list[int]:
         """n blocks, each with one user; the caller has checked that there are enough free."""
         assert n <= self.num_free_blocks, f"{n} blocks asked, {self.num_free_blocks} free"
-        free, ref_count = self.free, self.ref_count
-        if n <= len(free):  # the common case, without a call per block (256 blocks at a decode boundary)
-            blocks = [free.popleft() for _ in range(n)]
-        else:
-            blocks = [self._take() for _ in range(n)]
+        blocks = [self.free.popleft() for _ in range(n)] if n <= len(self.free) else [self._take() for _ in range(n)]
         for block in blocks:
-            ref_count[block] = 1
+            self.ref_count[block] = 1
         return blocks
 
     def publish(self, req: Request, num_tokens: int):
-        """Publish the blocks that the first num_tokens tokens fill. It stops at the first PLACEHOLDER, and a
-        block whose content is already published by another request (two requests with the same prefix
-        in one step) stays private, so the cache never holds duplicates; req's later blocks then follow
-        on from the published one."""
+        """Publish the blocks that req's first num_tokens tokens fill, up to its first PLACEHOLDER. A block
+        whose content another request already published (the same prefix in one step) stays private, so
+        the cache never holds duplicates; req's later blocks then follow on from the published one."""
         bs, ids, tokens = self.block_size, req.prefix_ids, req.token_ids
-        # PLACEHOLDERs only end token_ids (Request.pending), so the full blocks before the first are
-        # found once, not by a search of each block (a third of publish's time, finishing 256 requests).
         end = min(num_tokens, len(tokens))
-        while end and tokens[end - 1] == PLACEHOLDER:
+        while end and tokens[end - 1] == PLACEHOLDER:  # PLACEHOLDERs only end token_ids
             end -= 1
         for i in range(len(ids), end // bs):
             key = block_key(ids[-1] if ids else 0, tokens[i * bs:(i + 1) * bs])
             block = self.block_of.get(key)
-            if block is None:  # req's own block: blocks before i are published, so it is still private
+            if block is None:  # req's own block: the blocks before it are published, so it is still private
                 block = req.block_ids[i]
                 assert self.key_of[block] is None, f"block {block} is published twice"
                 self.block_of[key], self.key_of[block] = block, key
@@ -259,22 +253,19 @@ class BlockManager:
 
     def release(self, reqs: list[Request]):
         """Publish the blocks the requests filled while decoding (their KV is written, or queued to be),
-        then give their blocks back; each one's tail first, so that the LRU evicts a prefix's last blocks
-        before its first. All at once: up to 256 requests finish on one step, and one pass over all their
-        blocks costs less than a call per request."""
+        then give their blocks back, each one's tail first, so that the LRU evicts a prefix's last blocks
+        before its first."""
         for req in reqs:
             self.publish(req, req.num_computed_tokens)
-        ref_count, key_of, free, cached_free = self.ref_count, self.key_of, self.free, self.cached_free
         for req in reqs:
             for block in reversed(req.block_ids):
-                n = ref_count[block] - 1
-                assert n >= 0, f"block {block} freed twice"
-                ref_count[block] = n
-                if n == 0:
-                    if key_of[block] is None:
-                        free.append(block)
+                self.ref_count[block] -= 1
+                assert self.ref_count[block] >= 0, f"block {block} freed twice"
+                if self.ref_count[block] == 0:
+                    if self.key_of[block] is None:
+                        self.free.append(block)
                     else:
-                        cached_free[block] = None
+                        self.cached_free[block] = None
             req.block_ids, req.prefix_ids = [], []
 
 
@@ -285,11 +276,10 @@ class SchedulerOutput:
     starts: np.ndarray             # (B,) int64
     num_tokens: list[int]
     samples: list[bool]            # does this request's chunk reach its end (so it samples a token)?
-
     num_decode: int = 0            # the first num_decode entries are decodes (one token, sampling)
     step: int = 0                  # Scheduler.step_id of this plan
-    steady: "SteadyDecode | None" = None  # set when the plan decodes the whole running set
-    # Fast-path plans: (indices of the requests whose token starts a block, the block it starts), int64
+    steady: SteadyDecode | None = None  # Part 2: set when the plan decodes an unchanged running set
+    # Part 2, fast-path plans: (indices of the requests whose token starts a block, the block it starts)
     entering: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
@@ -301,18 +291,274 @@ class SchedulerOutput:
         return len(self.requests) if self.is_decode else sum(self.samples)
 
 
+@dataclass
+class Batch:
+    """A plan as the model reads it: tensors on the device, built by nanoengine's InputBuilder. Nothing here
+    is a host-side list a CUDA graph could not fix; the two host ints only bound what the tensors hold."""
+    input_ids: torch.Tensor        # (T,) int64
+    positions: torch.Tensor        # (T,) int64
+    slot_mapping: torch.Tensor     # (T,) int64: block * block_size + offset; -1 = padding, goes to scratch
+    query_start_loc: torch.Tensor  # (B + 1,) int32: request b's tokens are [qsl[b], qsl[b + 1])
+    seq_lens: torch.Tensor         # (B,) int64: context length including this step's tokens; 0 = padding
+    block_table: torch.Tensor      # (B, max_blocks) int32
+    logits_indices: torch.Tensor   # (S,) int64: the rows whose next token is sampled
+    max_query_len: int             # bound on tokens per request: 1 means a decode batch (token b is request b's)
+    max_seq_len: int               # bound on seq_lens (Part 2's decode attention picks its tiles by it)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Part 1: the requests' book and the scheduler
+
+
+class RequestBook:
+    """The requests and what happens to them after a step: a sampled token lands, a stop is checked, a
+    request finishes or is aborted and gives its blocks back. It holds the queues the Scheduler plans from.
+
+    Tokens arrive as an int64 array (n,); requests get Python ints (tolist), never numpy scalars. Each
+    landing returns the requests to report: those that got a token and want per-step outputs
+    (output_kind), and those that finished."""
+
+    def __init__(self, blocks: BlockManager, max_model_len: int, eos_token_ids: tuple = ()):
+        self.blocks, self.max_model_len, self.eos_token_ids = blocks, max_model_len, frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.aborted: list[Request] = []  # finished by abort(), reported with the next step's outputs
+        self._arrivals = itertools.count()
+        self.on_release = lambda req: None  # told when a request gives its blocks back (the runner's rows)
+
+    def add(self, req: Request):
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        req.max_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
+        req.arrival, req.arrival_time = next(self._arrivals), time.perf_counter()
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @staticmethod
+    def sampling_requests(out: SchedulerOutput) -> tuple[Request, ...]:
+        return out.requests if out.is_decode else tuple(r for r, s in zip(out.requests, out.samples) if s)
+
+    def update(self, out: SchedulerOutput, tokens) -> list[Request]:
+        """Sync: append each sampling request's token and check its stops."""
+        reqs = self.sampling_requests(out)
+        for req, token in zip(reqs, np.asarray(tokens).tolist()):
+            req.token_ids.append(token)
+        return self._landed(reqs, [len(r.token_ids) - 1 for r in reqs])
+
+    def append_placeholders(self, out: SchedulerOutput) -> tuple:
+        """Async launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
+        slots for fill(): the requests and their placeholders' indices."""
+        reqs = self.sampling_requests(out)
+        index = [len(r.token_ids) for r in reqs]
+        for req in reqs:
+            req.token_ids.append(PLACEHOLDER)
+        return reqs, index, None
+
+    def fill(self, slots: tuple, tokens) -> list[Request]:
+        """Async: a step's tokens have landed; each goes to its PLACEHOLDER, then the stops are checked."""
+        reqs, index, _ = slots
+        live, at = [], []
+        for req, i, token in zip(reqs, index, np.asarray(tokens).tolist()):
+            if req.status == FINISHED or i >= len(req.token_ids):
+                continue  # stopped or aborted meanwhile: this token was computed for nothing, drop it
+            assert req.token_ids[i] == PLACEHOLDER, f"slot {i} of {req.request_id} already filled"
+            req.token_ids[i] = token
+            live.append(req)
+            at.append(i)
+        return self._landed(live, at)
+
+    def _landed(self, reqs, index: list[int]) -> list[Request]:
+        """Requests whose token at `index` just landed: stamp first tokens, finish those it ends (a stop id,
+        or the last allowed index). Returns the requests to report."""
+        now, ended, report = time.perf_counter(), [], []
+        for req, i in zip(reqs, index):
+            if req.first_token_time is None:
+                req.first_token_time = now
+            token = req.token_ids[i]
+            if token in req.stop_ids or i + 1 >= req.max_len:
+                ended.append((req, i, token))
+            elif req.params.output_kind != "final_only":
+                report.append(req)
+        return report + self._finish_ended(ended)
+
+    def _finish_ended(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
+        """Finish each (request, index, token) whose token ends it. Returns them."""
+        if not ended:
+            return []
+        for req, i, token in ended:
+            del req.token_ids[i + 1:]  # async: tokens launched after the stop are dropped
+            if req.status == WAITING:  # async: preempted since its step was launched
+                self.waiting.remove(req)
+        finished = [req for req, _, _ in ended]
+        self.blocks.release(finished)
+        for req, _, token in ended:
+            self._retire(req, "stop" if token in req.stop_ids else "length")
+        self.running = [r for r in self.running if r.status == RUNNING]  # one pass, not a remove each
+        return finished
+
+    def finish(self, req: Request, reason: str):
+        """End a request now (abort): its blocks go back once, and it is reported with the next outputs."""
+        if req.status == RUNNING:
+            self.running.remove(req)
+        elif req.status == WAITING:
+            self.waiting.remove(req)
+        while req.pending:  # tokens in flight (async) are dropped, never read back: fill() skips them
+            req.token_ids.pop()
+        self.blocks.release([req])
+        self._retire(req, reason)
+        self.aborted.append(req)
+
+    def _retire(self, req: Request, reason: str):
+        """The bookkeeping of a request whose blocks went back."""
+        self.on_release(req)
+        req.status, req.finish_reason, req.finished_time = FINISHED, reason, time.perf_counter()
+        del self.requests[req.request_id]
+
+    def preempt(self, req: Request):
+        """Back to waiting with nothing computed (its KV will be recomputed), at the front in arrival order
+        among the preempted."""
+        self.running.remove(req)
+        self.blocks.release([req])
+        self.on_release(req)
+        req.num_computed_tokens, req.status = 0, WAITING
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < req.arrival:
+            i += 1
+        self.waiting.insert(i, req)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute: what runs next.
+
+    Each step: first the running requests (decodes, then prompts still being chunked), in arrival order,
+    then waiting ones while there is token budget, sequence slots and KV blocks. When a running request
+    needs a block and none is free, the most recently arrived running request is preempted (as vLLM does):
+    its blocks go back, and it waits to be recomputed later (the prefix cache usually makes that cheap)."""
+
+    def __init__(self, book: RequestBook, max_num_seqs: int, max_num_batched_tokens: int):
+        self.book, self.blocks = book, book.blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
+        self.step_id = 0
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        return self._plan()
+
+    def _plan(self) -> SchedulerOutput:
+        self._preempted = False
+        out = SchedulerOutput([], [], [], [])
+        budget = self._decode_pass(out)
+        for req in [r for r in self.book.running if len(r.token_ids) - r.num_computed_tokens > 1]:
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)  # prompts still being chunked
+            if req.status == RUNNING and n > 0 and self._grow(req, n):
+                self._add_to_step(out, req, n)
+                budget -= n
+        self._admit(out, budget)
+        out.requests, out.starts, out.step = tuple(out.requests), np.array(out.starts, dtype=np.int64), self.step_id
+        return out
+
+    def _decode_pass(self, out: SchedulerOutput) -> int:
+        """Every running request with exactly one token to compute, preempting when blocks run out.
+        Returns the token budget left."""
+        budget, bs = self.max_num_batched_tokens, self.blocks.block_size
+        for req in list(self.book.running):  # a copy: preemption removes from running
+            nc = req.num_computed_tokens
+            if len(req.token_ids) - nc != 1 or (self._preempted and req.status != RUNNING):
+                continue  # a prompt chunk, or preempted earlier in this loop
+            if budget == 0:
+                break
+            if len(req.token_ids) >= req.max_len and req.pending:
+                continue  # its last allowed token is still in flight: it must not compute another
+            if nc == len(req.block_ids) * bs and not self._grow(req, 1):
+                continue  # it was preempted itself
+            out.requests.append(req)
+            out.starts.append(nc)
+            req.num_computed_tokens, req.last_step = nc + 1, self.step_id
+            budget -= 1
+        out.num_decode = len(out.requests)
+        out.num_tokens, out.samples = [1] * out.num_decode, [True] * out.num_decode
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int):
+        """New requests only when nothing had to be preempted: otherwise they would take the room back."""
+        book = self.book
+        while book.waiting and budget > 0 and len(book.running) < self.max_num_seqs and not self._preempted:
+            req = book.waiting[0]
+            if req.pending:  # preempted with a token in flight: wait for it to land
+                break
+            if req.num_computed_tokens == 0:
+                cached = self.blocks.cached_prefix(req)
+                self.blocks.use_cached(req, cached)
+                self.num_cached_tokens += len(cached) * self.blocks.block_size
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if not self.blocks.allocate(req, n):
+                self.blocks.release([req])
+                req.num_computed_tokens = 0
+                break
+            book.waiting.popleft()
+            req.status = RUNNING
+            book.running.append(req)
+            self._add_to_step(out, req, n)
+            budget -= n
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Room for n more tokens of req, preempting others (newest first) if needed; False if req itself
+        had to go."""
+        while not self.blocks.allocate(req, n):
+            victim = self._victim(req)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _victim(self, req: Request) -> Request:
+        """The most recently arrived running request not already in this step; req itself if none."""
+        for r in sorted(self.book.running, key=lambda r: r.arrival, reverse=True):
+            if r is not req and r.last_step != self.step_id:
+                return r
+        return req
+
+    def _preempt(self, req: Request):
+        self._preempted = True
+        self.num_preemptions += 1
+        self.book.preempt(req)
+
+    def _add_to_step(self, out: SchedulerOutput, req: Request, n: int):
+        start = req.num_computed_tokens
+        out.requests.append(req)
+        out.starts.append(start)
+        out.num_tokens.append(n)
+        out.samples.append(start + n == len(req.token_ids))
+        req.num_computed_tokens, req.last_step = start + n, self.step_id
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
+        self.blocks.publish(req, start + n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Part 2: the steady decode, a host fast path (EngineConfig(tuned=...) "steady"; BENCHMARKS.md, host step)
+
+NO_ONE = np.zeros(0, dtype=np.int64)  # an empty selection of requests
+STEADY_MAX_STEPS = 256  # rows of tokens a SteadyDecode holds (256 steps of 256 requests: 512 KB)
+
+
 def others(n: int, index: np.ndarray) -> np.ndarray:
-    """The indices in range(n) that are not in `index`, in order. A mask, not np.setdiff1d: that sorts
-    and dedups, ~0.3 ms on the 2-core CPU right after a forward, against ~0.1 for these three operations."""
+    """The indices in range(n) that are not in `index`, in order (a mask: np.setdiff1d sorts)."""
     keep = np.ones(n, dtype=bool)
     keep[index] = False
     return np.flatnonzero(keep)
 
 
 def attention_at(count: np.ndarray, last: np.ndarray, block_size: int) -> np.ndarray:
-    """For decodes at counts `count` (arrays, one per request): the first count >= count at which each
-    needs more than +1 in a step: its next token starts a block (a multiple of block_size: it may need a
-    block), or is its last allowed (async: it must not compute another while that one is in flight)."""
+    """For decodes at counts `count`: the first count >= count at which each needs more than +1 in a step:
+    its next token starts a block (it may need one), or is its last allowed (async: it must not compute
+    another while that one is in flight)."""
     return np.minimum(-(-count // block_size) * block_size, last)
 
 
@@ -320,54 +566,42 @@ def attention_at(count: np.ndarray, last: np.ndarray, block_size: int) -> np.nda
 class SteadyDecode:
     """The running set as numpy arrays, for the steps that only move every request on by one token.
 
-    At 256 requests the host's work per step is what keeps a fast GPU waiting, and each pass over the
-    requests in Python costs tens of microseconds (after a forward pass their objects are out of the CPU's
-    caches). Yet most steps are the last step's plan one token later: the same requests, each computing
-    the token it sampled last. So when a step decodes the whole running set, its counts are copied into
-    arrays here, and while that set stays the same a step is planned with one numpy operation (the
-    counts + 1). A request needs more than +1 only when its next token starts a block or is its last
-    (`attend_at`); `quiet` counts the steps until the first such one, and only on that step are the due
-    requests visited one by one.
+    Most steps are the last step's plan one token later: the same requests, each computing the token it
+    sampled last. Each pass over the requests in Python costs tens of microseconds at 256 requests, so
+    when a step decodes the whole running set its counts are copied into arrays here, and while that set
+    stays the same a step is planned with one numpy operation (counts + 1). A request needs more than +1
+    only when its next token starts a block or is its last (`attend_at`); `quiet` counts the steps until
+    the first such one, and only then are the due requests visited.
 
-    While it stands, `computed` is the truth about its requests' counts, and `tokens` holds the tokens
-    they sampled meanwhile, a row per step (an async launch takes its row before its tokens land, and
-    writes nothing into it: on a quiet step at 256 requests even filling a row cost ~20 us on the CPU,
-    with caches cold after the forward; a row handed back before they land reads as PLACEHOLDERs). The
-    requests get both back, num_computed_tokens and the tail of token_ids, when it is
-    dropped (hand_back), before anything reads them: only the general path and a finishing request do.
-    So a quiet step touches no request at all, and checks stops on arrays. A step at a block boundary
-    touches none either: the blocks it hands out wait in `entered` and join the requests' block_ids at
-    hand_back too (appending them there, request by request, cost ~60 us of such a step at 256).
-
-    Valid while no request joins the running set: a join, abort or preemption drops it, and the next
-    step that decodes the whole running set builds a new one. Requests that finish only leave it
-    (`without`, as vLLM's persistent batch condenses): they get their counts, tokens and blocks back,
-    and the rest go on in a new, smaller instance that knows its `parent` and which of the parent's
-    requests it `kept`, so a runner can compact its rows and a step launched before the change can land
-    its tokens (`kept_of`). Its tuple of requests is new with each instance, so a runner can tell an
-    unchanged batch by identity.
+    While it stands, `computed` is the truth about its requests' counts, and `tokens` holds the tokens they
+    sampled meanwhile, a row per step (an async launch takes its row before its tokens land). The blocks a
+    boundary step hands out wait in `entered`. The requests get all of it back when the set is dropped
+    (hand_back), before anything reads them: only the general path and a finishing request do. Requests
+    that finish only leave it (`without`): the rest go on in a new, smaller instance that knows its
+    `parent` and which of the parent's requests it `kept`, so a runner can compact its rows and a step
+    launched before the change can land its tokens (`kept_of`). A join, abort or preemption drops it.
     """
-    requests: tuple[Request, ...]
+    requests: tuple[Request, ...]  # a new tuple with each instance: a runner tells a set by identity
     # (n,) int64 num_computed_tokens. Replaced each step, never changed in place: a plan's starts and its
     # placeholder indices are earlier arrays, and must keep their values.
     computed: np.ndarray
     last: np.ndarray         # (n,) int64: max_len - 1, the index of a request's last allowed token
     attend_at: np.ndarray    # (n,) int64: the count at which each needs more than +1 (attention_at)
-    stops: frozenset         # every stop id of any of them (most often just eos, or none)
+    stops: frozenset         # every stop id of any of them (most often just eos)
     countdown: int           # min(last - computed): steps until the first of them computes its last token
     tokens: np.ndarray       # (steps, n) int64: row k holds the tokens sampled by its k-th step
     num_tokens: list[int]    # [1] * n and [True] * n: every plan's num_tokens and samples, one pair for all
-    samples: list[bool]      # (a plan never changes), not two new lists a step
+    samples: list[bool]
     entered: list = field(default_factory=list)  # (indices, their new blocks) of each boundary step
-    parent: "SteadyDecode | None" = None  # the set this one came from by `without` (one or two back)
-    kept: np.ndarray | None = None        # ... and the parent's indices of this one's requests
+    parent: SteadyDecode | None = None  # the set this one came from by `without`
+    kept: np.ndarray | None = None       # ... and the parent's indices of this one's requests
     num_steps: int = 0       # rows of `tokens` in use (one per planned step)
     landed: int = 0          # ... of which the first `landed` hold tokens (async: the last may be in flight)
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
     awaiting: bool = True    # planned, and its tokens not yet appended (update / append_placeholders)
 
     @classmethod
-    def of(cls, out: SchedulerOutput, block_size: int) -> "SteadyDecode":
+    def of(cls, out: SchedulerOutput, block_size: int) -> SteadyDecode:
         """From a plan that decodes the whole running set (already applied to the requests)."""
         reqs, computed = out.requests, out.starts + 1
         last = np.array([r.max_len - 1 for r in reqs], dtype=np.int64)
@@ -380,8 +614,7 @@ class SteadyDecode:
                    quiet=int((attend_at - computed).min()))
 
     def append(self, tokens=None) -> int:
-        """A row for one step's tokens, (n,): given (sync), or to come (an async launch: `land` writes
-        them, and until then the row stands for PLACEHOLDERs). Returns the row."""
+        """A row for one step's tokens: given (sync), or to come (async: `land` writes them)."""
         row, self.num_steps, self.awaiting = self.num_steps, self.num_steps + 1, False
         if tokens is not None:
             self.land(row, tokens)
@@ -398,41 +631,40 @@ class SteadyDecode:
 
     def hand_back(self, index: np.ndarray | None = None):
         """The requests (all, or those at `index`) get their counts and the tokens held here, and every
-        request the blocks it was handed (it is being dropped, or they leave it)."""
+        request the blocks it was handed (the set is being dropped, or they leave it)."""
         self.tokens[self.landed:self.num_steps] = PLACEHOLDER  # launched, not landed: filled by index later
         held, counts, reqs = self.tokens[:self.num_steps], self.computed, self.requests
         if index is not None:
-            held, counts, leavers = held[:, index], counts[index], [reqs[i] for i in index.tolist()]
-        for req, count, tokens in zip(reqs if index is None else leavers, counts.tolist(), held.T.tolist()):
+            held, counts, reqs = held[:, index], counts[index], [reqs[i] for i in index.tolist()]
+        for req, count, tokens in zip(reqs, counts.tolist(), held.T.tolist()):
             assert req.status == RUNNING, f"{req.request_id} left the set before it was dropped"
             req.num_computed_tokens = count
             req.token_ids += tokens
         for due, blocks in self.entered:  # in the order they were handed out
             for i, block in zip(due.tolist(), blocks):
-                reqs[i].block_ids.append(block)
+                self.requests[i].block_ids.append(block)
         self.entered = []
 
-    def without(self, leaving: np.ndarray) -> "SteadyDecode | None":
-        """The set less the requests at `leaving` (indices), which get back what is held for them; None if
-        no one stays. The rest keep their counts and tokens here, in a new instance (see the class)."""
+    def without(self, leaving: np.ndarray) -> SteadyDecode | None:
+        """The set less the requests at `leaving`, which get back what is held for them; None if no one
+        stays. The rest keep their counts and tokens here, in a new instance (see the class)."""
         self.hand_back(leaving)
         kept = others(len(self.requests), leaving)
         if not len(kept):
             return None
-        reqs, computed, last, attend_at = self.requests, self.computed[kept], self.last[kept], self.attend_at[kept]
+        computed, last, attend_at = self.computed[kept], self.last[kept], self.attend_at[kept]
         countdown = int((last - computed).min())
-        # Rows for as long as the new set can stand (those who stay may have longer to go), as in `of`.
         tokens = np.empty((max(len(self.tokens), min(self.num_steps + countdown + 2, STEADY_MAX_STEPS)),
                            len(kept)), dtype=np.int64)
         tokens[:self.num_steps] = self.tokens[:self.num_steps, kept]
         # The stop ids stay those of the larger set: a superset only means a closer look (may_stop) sooner.
-        return SteadyDecode(tuple([reqs[i] for i in kept.tolist()]), computed, last, attend_at, self.stops,
-                            countdown=countdown, tokens=tokens,
+        return SteadyDecode(tuple([self.requests[i] for i in kept.tolist()]), computed, last, attend_at,
+                            self.stops, countdown=countdown, tokens=tokens,
                             num_tokens=self.num_tokens[:len(kept)], samples=self.samples[:len(kept)],
                             parent=self, kept=kept, num_steps=self.num_steps, landed=self.landed,
                             quiet=int((attend_at - computed).min()), awaiting=self.awaiting)
 
-    def kept_of(self, older: "SteadyDecode") -> np.ndarray | None:
+    def kept_of(self, older: SteadyDecode) -> np.ndarray | None:
         """older's indices of this set's requests, where this set came from older by `without`; else None."""
         s, kept = self, None
         while s is not older:
@@ -442,59 +674,115 @@ class SteadyDecode:
         return kept
 
 
-class Scheduler:
-    """Continuous batching with chunked prefill and preemption by recompute.
+class SteadyBook(RequestBook):
+    """RequestBook that lands a steady decode's tokens on its arrays (a row each step) and checks their stops
+    with one set test, so no request is visited until one stops or the set is dropped."""
 
-    Each step: first the running requests (decodes, and prompts still being chunked), in arrival order,
-    then waiting ones while there is token budget, sequence slots and KV blocks. When a running request
-    needs a block and none is free, the most recently arrived running request is preempted: its blocks
-    go back, and it waits to be recomputed later (prefix caching usually makes that cheap). A step that
-    only decodes an unchanged running set takes the fast path of SteadyDecode instead; it plans the same.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple = ()):
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.max_model_len, self.eos_token_ids = max_model_len, frozenset(eos_token_ids)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
-        self.num_preemptions = 0
-        self.step_id = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
-        self.on_release = lambda req: None  # told when a request gives its blocks back (the runner's rows)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.steady: SteadyDecode | None = None  # the running set as arrays, while it is unchanged
 
-    def add(self, req: Request):
-        p = req.params
-        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-        req.max_len = min(req.num_prompt_tokens + p.max_tokens, self.max_model_len)
-        req.arrival = next(self._arrivals)
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+    def drop_steady(self):
+        """Back to the general path: the requests get their counts and tokens back (SteadyDecode)."""
+        s, self.steady = self.steady, None
+        if s is not None:
+            s.hand_back()
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
+    def update(self, out: SchedulerOutput, tokens) -> list[Request]:
+        s = out.steady
+        if s is None or s is not self.steady:
+            return super().update(out, tokens)
+        tokens = np.asarray(tokens)
+        s.append(tokens)
+        return self._steady_ended(s, s.computed, s.countdown, tokens)
 
-    def schedule(self) -> SchedulerOutput:
-        self.step_id += 1
-        return self._steady_step() or self._general_step()
+    def append_placeholders(self, out: SchedulerOutput) -> tuple:
+        s = out.steady
+        if s is None or s is not self.steady:
+            return super().append_placeholders(out)
+        return s.requests, s.computed, (s, s.append(), s.countdown)  # the row it holds them in
 
-    # -- the fast path: an unchanged running set decodes ----------------------------------------------
-    def _steady_step(self) -> SchedulerOutput | None:
-        """The plan the general path would make when the running set is unchanged and each request has
-        one token to compute (see SteadyDecode); None where it could differ: a waiting request could
-        join, or free blocks are short."""
+    def fill(self, slots: tuple, tokens) -> list[Request]:
+        reqs, index, held = slots
+        tokens = np.asarray(tokens)
+        if held is None:
+            return super().fill(slots, tokens)
+        s, row, countdown = held
+        if s is self.steady:  # no one left the set since the launch
+            s.land(row, tokens)
+            return self._steady_ended(s, index, countdown, tokens)
+        kept = None if self.steady is None else self.steady.kept_of(s)
+        if kept is None:  # the set was dropped since the launch: the tokens go to their PLACEHOLDERs
+            return super().fill((reqs, index.tolist(), None), tokens)
+        self.steady.land(row, tokens[kept])  # some left since the launch: theirs go to their lists
+        gone = others(len(reqs), kept)
+        report = super().fill(([reqs[i] for i in gone.tolist()], index[gone].tolist(), None), tokens[gone])
+        return report + self._steady_ended(self.steady, index[kept], countdown, tokens[kept])
+
+    def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray) -> list:
+        """Finish the requests of the standing set s that a step's tokens (at index, countdown steps to the
+        first last token) end. They are looked at one by one only when some token is a stop id of some
+        request; those that stop leave the set (without), the rest go on."""
+        may_stop = s.may_stop(tokens)
+        if countdown > 0 and not may_stop:
+            return []
+        stopped = index >= s.last  # its last allowed token: one comparison, not a visit to each request
+        if may_stop:
+            stopped |= [token in req.stop_ids for req, token in zip(s.requests, tokens.tolist())]
+        stopped = np.flatnonzero(stopped)
+        if not len(stopped):
+            return []
+        ended = list(zip([s.requests[k] for k in stopped.tolist()], index[stopped].tolist(),
+                         tokens[stopped].tolist()))
+        self.steady = s.without(stopped)
+        return super()._finish_ended(ended)  # the set has let them go already: no drop
+
+    def _finish_ended(self, ended: list) -> list[Request]:
+        """A member of the standing set that finishes here drops the set: the running set changes, and its
+        tokens must be in token_ids to be cut."""
         s = self.steady
+        if ended and s is not None:
+            members = {id(r) for r in s.requests}
+            if any(id(req) in members for req, _, _ in ended):
+                self.drop_steady()
+        return super()._finish_ended(ended)
+
+    def finish(self, req: Request, reason: str):
+        if req.status == RUNNING:
+            self.drop_steady()
+        super().finish(req, reason)
+
+
+class SteadyScheduler(Scheduler):
+    """Scheduler that plans a decode of an unchanged running set on the SteadyDecode's arrays: the plan the
+    general path would make, without its per-request loop. It needs a SteadyBook."""
+
+    def _plan(self) -> SchedulerOutput:
+        return self._steady_step() or self._general_plan()
+
+    def _general_plan(self) -> SchedulerOutput:
+        book = self.book
+        book.drop_steady()
+        out = super()._plan()
+        # Only requests that want just their final output (LLM.generate's): streamed ones need their tokens
+        # in token_ids every step, which is what the arrays avoid.
+        if out.requests and out.is_decode and len(out.requests) == len(book.running) and all(
+                r.params.output_kind == "final_only" and r.first_token_time is not None for r in out.requests):
+            out.steady = book.steady = SteadyDecode.of(out, self.blocks.block_size)
+        return out
+
+    def _steady_step(self) -> SchedulerOutput | None:
+        """The plan when the running set is unchanged and each request has one token to compute; None where
+        the general path's could differ: a waiting request could join, or free blocks are short."""
+        book = self.book
+        s = book.steady
         if s is None or s.awaiting or s.num_steps == len(s.tokens) or \
-                (self.waiting and len(self.running) < self.max_num_seqs):
+                (book.waiting and len(book.running) < self.max_num_seqs):
             return None
         if s.parent is not None:  # what a launched step or the runner may still look for (kept_of)
             s.parent.parent = None
         if s.countdown <= 0:  # async: their last allowed token is in flight, so they leave the set now
-            s = self.steady = s.without(np.flatnonzero(s.computed >= s.last))  # (they finish as it lands)
+            s = book.steady = s.without(np.flatnonzero(s.computed >= s.last))  # (they finish as it lands)
             if s is None:
                 return None
         starts, entering = s.computed, (NO_ONE, NO_ONE)
@@ -509,264 +797,13 @@ class Scheduler:
                                step=self.step_id, steady=s, entering=entering)
 
     def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
-        """The requests due for more than +1: each gets the block that its token starts.
-        Returns the requests whose token starts a block and the block it goes to, or None (nothing
-        changed) when the general path must plan this step."""
+        """The requests due for more than +1: each gets the block its token starts (short of its last
+        token, _steady_step saw to those, a request is due only there). Returns (their indices, the
+        blocks), or None when blocks are short and the general path must decide whom to preempt."""
         due = np.flatnonzero(starts >= s.attend_at)
-        # Short of its last allowed token (_steady_step saw to those), a request is due only where its
-        # token starts a block, and a request holds just the blocks its computed tokens fill
-        # (BlockManager.allocate): each needs one.
         if len(due) > self.blocks.num_free_blocks:
-            return None  # the general path decides whom to preempt
+            return None
         blocks = self.blocks.take(len(due))
-        s.entered.append((due, blocks))  # the requests get them at hand_back (see SteadyDecode)
-        # Each starts a block: attention_at(starts + 1) is the next block's start, or its last.
+        s.entered.append((due, blocks))  # the requests get them at hand_back
         s.attend_at[due] = np.minimum(starts[due] + self.blocks.block_size, s.last[due])
         return due, np.array(blocks, dtype=np.int64)
-
-    def _drop_steady(self):
-        """Back to the general path: the requests get their counts and tokens back (see SteadyDecode)."""
-        s, self.steady = self.steady, None
-        if s is not None:
-            s.hand_back()
-
-    # -- the general path -------------------------------------------------------------------------------
-    def _general_step(self) -> SchedulerOutput:
-        self._drop_steady()
-        self._preempted = False
-        out = SchedulerOutput([], [], [], [])
-        budget = self.decode_pass(out)
-        chunks = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens > 1]
-        for req in chunks:  # prompts still being chunked (or recomputed) take what budget is left
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            if req.status == RUNNING and n > 0 and self._grow(req, n):
-                self._add_to_step(out, req, n)
-                budget -= n
-        self._admit(out, budget)
-        out.requests, out.starts = tuple(out.requests), np.array(out.starts, dtype=np.int64)
-        out.step = self.step_id
-        if out.requests and out.is_decode and len(out.requests) == len(self.running):
-            out.steady = self.steady = SteadyDecode.of(out, self.blocks.block_size)
-        return out
-
-    def _admit(self, out: SchedulerOutput, budget: int):
-        """New requests only when nothing had to be preempted: otherwise they would take the room back."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not self._preempted:
-            req = self.waiting[0]
-            if req.pending:  # preempted with a token in flight: wait for it to land
-                break
-            if req.num_computed_tokens == 0:
-                cached = self.blocks.cached_prefix(req)
-                self.blocks.use_cached(req, cached)
-                self.num_cached_tokens += len(cached) * self.blocks.block_size
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            if not self.blocks.allocate(req, n):
-                self.blocks.release([req])
-                req.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            req.status = RUNNING
-            self.running.append(req)
-            self._add_to_step(out, req, n)
-            budget -= n
-
-    def decode_pass(self, out: SchedulerOutput) -> int:
-        """Every running request with exactly one token to compute, preempting when blocks run out. An
-        unchanged running set plans the same through SteadyDecode, without this per-request loop."""
-        budget, bs, step = self.max_num_batched_tokens, self.blocks.block_size, self.step_id
-        reqs, starts = out.requests, out.starts
-        add_req, add_start = reqs.append, starts.append
-        for req in list(self.running):  # a copy: preemption removes from self.running
-            nc = req.num_computed_tokens
-            if len(req.token_ids) - nc != 1:
-                continue
-            if budget == 0:
-                break
-            if len(req.token_ids) >= req.max_len and req.pending:
-                continue  # its last allowed token is still in flight: it must not compute another
-            if self._preempted and req.status != RUNNING:
-                continue  # preempted earlier in this loop
-            if nc == len(req.block_ids) * bs and not self._grow(req, 1):
-                continue  # it was preempted itself
-            add_req(req)
-            add_start(nc)
-            nc += 1
-            req.num_computed_tokens = nc
-            req.last_step = step
-            budget -= 1
-        out.num_decode = len(reqs)
-        out.num_tokens = [1] * len(reqs)
-        out.samples = [True] * len(reqs)
-        return budget
-
-    def _grow(self, req: Request, n: int) -> bool:
-        """Room for n more tokens of req, preempting others (newest first) if needed; False if req itself
-        had to go."""
-        while not self.blocks.allocate(req, n):
-            victim = self._victim(req)
-            self._preempt(victim)
-            if victim is req:
-                return False
-        return True
-
-    def _victim(self, req: Request) -> Request:
-        """The most recently arrived running request not already in this step; req itself if none."""
-        for r in sorted(self.running, key=lambda r: r.arrival, reverse=True):
-            if r is not req and r.last_step != self.step_id:
-                return r
-        return req
-
-    def _add_to_step(self, out: SchedulerOutput, req: Request, n: int):
-        start = req.num_computed_tokens
-        out.requests.append(req)
-        out.starts.append(start)
-        out.num_tokens.append(n)
-        out.samples.append(start + n == len(req.token_ids))
-        req.num_computed_tokens = start + n
-        req.last_step = self.step_id
-        self.blocks.publish(req, start + n)
-
-    def _preempt(self, req: Request):
-        self._drop_steady()
-        self._preempted = True
-        self.running.remove(req)
-        self.blocks.release([req])
-        self.on_release(req)
-        req.num_computed_tokens = 0
-        req.status = WAITING
-        self.num_preemptions += 1
-        # Back to the front of the queue, in arrival order among the preempted.
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].arrival < req.arrival:
-            i += 1
-        self.waiting.insert(i, req)
-
-    # -- after a step ---------------------------------------------------------------------------------
-    # Tokens arrive as an int64 array (n,): the steady path checks stops on it in one go, and the
-    # requests get Python ints (tolist), never numpy scalars.
-    def sampling_requests(self, out: SchedulerOutput) -> tuple[Request, ...]:
-        return out.requests if out.is_decode else tuple(r for r, s in zip(out.requests, out.samples) if s)
-
-    def append_placeholders(self, out: SchedulerOutput) -> tuple:
-        """Async launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
-        slots for fill(): the requests, their placeholders' indices, and for a fast-path plan its
-        SteadyDecode, the row it holds them in, and its countdown."""
-        s = out.steady
-        if s is not None and s is self.steady:
-            row = s.append()
-            return s.requests, s.computed, (s, row, s.countdown)  # at index computed: see SteadyDecode
-        reqs = self.sampling_requests(out)
-        index = [len(r.token_ids) for r in reqs]
-        for req in reqs:
-            req.token_ids.append(PLACEHOLDER)
-        return reqs, index, None
-
-    def fill(self, slots: tuple, tokens) -> list[Request]:
-        """Put sampled tokens in place, check stops; returns the requests that finished."""
-        reqs, index, steady = slots
-        tokens = np.asarray(tokens)
-        if steady is not None and steady[0] is self.steady:  # no one left the running set since the launch
-            s, row, countdown = steady
-            s.land(row, tokens)
-            return self._steady_ended(s, index, countdown, tokens)
-        if steady is not None and self.steady is not None:
-            kept = self.steady.kept_of(steady[0])
-            if kept is not None:  # some left the set since the launch: theirs go into their lists
-                s, row, countdown = steady
-                self.steady.land(row, tokens[kept])
-                gone = others(len(reqs), kept).tolist()
-                ended = self._fill_lists([reqs[i] for i in gone], index[gone].tolist(), tokens[gone].tolist())
-                return self._steady_ended(self.steady, index[kept], countdown, tokens[kept], ended)
-        if steady is not None:
-            index = index.tolist()  # the set was dropped since the launch: the tokens go into the lists
-        return self._finished(self._fill_lists(reqs, index, tokens.tolist()))
-
-    def _fill_lists(self, reqs, index: list[int], tokens: list[int]) -> list[tuple[Request, int, int]]:
-        """fill() for requests whose tokens are in token_ids: each token at its PLACEHOLDER; returns
-        (request, index, token) of those it finishes."""
-        ended = []
-        for req, i, token in zip(reqs, index, tokens):
-            ids = req.token_ids
-            if req.status == FINISHED or i >= len(ids):
-                continue  # stopped or aborted meanwhile: this token was computed for nothing, drop it
-            assert ids[i] == PLACEHOLDER, f"slot {i} of {req.request_id} already filled"
-            ids[i] = token
-            if token in req.stop_ids or i + 1 >= req.max_len:
-                ended.append((req, i, token))
-        return ended
-
-    def update(self, out: SchedulerOutput, tokens) -> list[Request]:
-        """Sync step: append each sampling request's token and check its stops."""
-        s, tokens = out.steady, np.asarray(tokens)
-        if s is not None and s is self.steady:
-            return self._steady_update(s, tokens)
-        ended = []
-        for req, token in zip(self.sampling_requests(out), tokens.tolist()):
-            ids = req.token_ids
-            ids.append(token)
-            if token in req.stop_ids or len(ids) >= req.max_len:
-                ended.append((req, len(ids) - 1, token))
-        return self._finished(ended)
-
-    def _steady_update(self, s: SteadyDecode, tokens: np.ndarray) -> list[Request]:
-        """update() for a fast-path plan: a row of SteadyDecode's tokens. Stops are looked for request by
-        request only when some token is a stop id of some request, or someone reached its last token."""
-        s.append(tokens)
-        return self._steady_ended(s, s.computed, s.countdown, tokens)
-
-    def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray,
-                      ended: list = ()) -> list[Request]:
-        """Finish the requests of s (the standing set) that a step's tokens end (at index, with countdown
-        steps to the first last token), and `ended`, which are not in s; s's requests are looked at one by
-        one only when some token is a stop id of some request. Those it finishes leave it (without), and
-        the rest go on as the standing set."""
-        may_stop = s.may_stop(tokens)
-        if countdown > 0 and not may_stop:
-            return self._finished(ended, keep_steady=True)  # no one's last token, no one's stop id
-        stopped = index >= s.last  # its last allowed token: one comparison, not a visit to each request
-        if may_stop:
-            stopped |= [token in req.stop_ids for req, token in zip(s.requests, tokens.tolist())]
-        stopped = np.flatnonzero(stopped)
-        if len(stopped):
-            reqs = [s.requests[k] for k in stopped.tolist()]
-            ended = [*ended, *zip(reqs, index[stopped].tolist(), tokens[stopped].tolist())]
-            self.steady = s.without(stopped)
-        return self._finished(ended, keep_steady=True)
-
-    def _finished(self, ended: list[tuple[Request, int, int]], keep_steady: bool = False) -> list[Request]:
-        """Finish each request whose new token (request, index, token) ends it: a stop id, or the last
-        allowed index. Returns them. The standing set is dropped, unless the caller has already taken
-        them out of it (keep_steady)."""
-        if not ended:
-            return []
-        if not keep_steady:
-            self._drop_steady()  # the running set changes, and its tokens must be in token_ids to be cut
-        for req, i, token in ended:
-            del req.token_ids[i + 1:]  # async: tokens already launched after the stop are dropped
-            if req.status == WAITING:  # async: preempted since its step was launched
-                self.waiting.remove(req)
-        finished = [req for req, _, _ in ended]
-        self.blocks.release(finished)
-        for req, _, token in ended:
-            self._retire(req, "stop" if token in req.stop_ids else "length")
-        self.running = [r for r in self.running if r.status == RUNNING]  # one pass, not a remove each
-        return finished
-
-    def finish(self, req: Request, reason: str):
-        """End a request between steps (an abort). Its tokens still in flight (async: PLACEHOLDERs) are
-        dropped, never read back: fill() skips them when they land."""
-        if req.status == RUNNING:
-            self._drop_steady()  # the running set changes (and req gets back the tokens the set held)
-            self.running.remove(req)
-        elif req.status == WAITING:
-            self.waiting.remove(req)
-        while req.pending:
-            req.token_ids.pop()
-        self.blocks.release([req])
-        self._retire(req, reason)
-
-    def _retire(self, req: Request, reason: str):
-        """The bookkeeping of a request whose blocks went back."""
-        self.on_release(req)
-        req.status, req.finish_reason = FINISHED, reason
-        del self.requests[req.request_id]
