@@ -938,6 +938,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if n <= LINEAR_NARROW_N:
         max_rows = max(max_rows, narrow_rows)
     if m > min(max_rows, LINEAR_MAX_M):  # cuBLAS
+        if out is not None and bias is None and not gated:
+            return torch.mm(x2, weight.t(), out=out.view(m, n)).view(out.shape)
         y = torch.nn.functional.linear(x, weight, bias)
         if gated:
             y = silu_and_mul(y.reshape(m, n), pdl).view(*x.shape[:-1], n // 2)
