@@ -1123,8 +1123,8 @@ def _decode_attention_kernel(
         block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv = (block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_tok
               + (kv_head + col_head) * stride_cache_head)
-        k = tl.load(k_cache_ptr + kv[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        k_tile = tl.load(k_cache_ptr + kv[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
+        s = tl.dot(q, k_tile, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = key_ok[None, :]
         if PACK_SHIFT > 0:  # a row scores only its own head's columns; P @ V then stays per head
             visible = visible & (col_head[None, :] == row_head[:, None])
@@ -1133,8 +1133,8 @@ def _decode_attention_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v_tile = tl.load(v_cache_ptr + kv[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
         m = m_new
     row = req.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M] (request, head) row of out
     if SPLIT:
