@@ -1038,6 +1038,7 @@ def _decode_attention_kernel(
     PACK_SHIFT: tl.constexpr,  # log2 of the kv heads a program takes (0: one)
     SPLIT: tl.constexpr,  # num_splits > 1 (a run-time count, so every count shares one compiled kernel)
     MIN_SPLIT_TILES: tl.constexpr,  # key tiles a split covers at least
+    MERGE_FAN_IN: tl.constexpr,  # splits merged per group (ATTN_MERGE_FAN_IN)
     ROPE: tl.constexpr,  # rotate q and the new k here, write the new k and v, use them from registers
     HAS_NORM: tl.constexpr,  # ... after Qwen3's per-head RMSNorm
     DOT_PRECISION: tl.constexpr,
@@ -1140,19 +1141,19 @@ def _decode_attention_kernel(
     if SPLIT:
         if splits_used > 1:
             # Publish this split's partial; the last to finish merges, in a two-level tree so that no
-            # program reads more than ATTN_MERGE_FAN_IN - 1 partials one round trip after another: the last
-            # split of each group of ATTN_MERGE_FAN_IN merges its group into the group's first slot, and
+            # program reads more than MERGE_FAN_IN - 1 partials one round trip after another: the last
+            # split of each group of MERGE_FAN_IN merges its group into the group's first slot, and
             # the last group to finish merges the groups.
             rows_per_split = tl.num_programs(0) * NUM_HEADS
             _store_partial(m, l, acc, split, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
             group_id = req * tl.num_programs(1) + tl.program_id(1)
             num_group_ids = tl.num_programs(0) * tl.num_programs(1)
-            groups = tl.cdiv(splits_used, ATTN_MERGE_FAN_IN)
-            first = split // ATTN_MERGE_FAN_IN * ATTN_MERGE_FAN_IN
-            members = tl.minimum(splits_used - first, ATTN_MERGE_FAN_IN)
+            groups = tl.cdiv(splits_used, MERGE_FAN_IN)
+            first = split // MERGE_FAN_IN * MERGE_FAN_IN
+            members = tl.minimum(splits_used - first, MERGE_FAN_IN)
             if members > 1:
-                ticket = (tickets_ptr + num_group_ids + group_id * tl.cdiv(num_splits, ATTN_MERGE_FAN_IN)
-                          + split // ATTN_MERGE_FAN_IN)
+                ticket = (tickets_ptr + num_group_ids + group_id * tl.cdiv(num_splits, MERGE_FAN_IN)
+                          + split // MERGE_FAN_IN)
                 if not _last_to_finish(ticket, members):
                     return
                 m, l, acc = _merge_splits(first, first + members, 1, row, row_ok, rows_per_split, part_out_ptr,
@@ -1163,7 +1164,7 @@ def _decode_attention_kernel(
             if groups > 1:
                 if not _last_to_finish(tickets_ptr + group_id, groups):
                     return
-                m, l, acc = _merge_splits(0, splits_used, ATTN_MERGE_FAN_IN, row, row_ok, rows_per_split,
+                m, l, acc = _merge_splits(0, splits_used, MERGE_FAN_IN, row, row_ok, rows_per_split,
                                           part_out_ptr, part_ml_ptr, BLOCK_M, HEAD_DIM)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that saw no key stays 0
     tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
@@ -1272,6 +1273,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * 1.4426950408889634,
         NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, PACK_SHIFT=heads.bit_length() - 1, SPLIT=num_splits > 1, MIN_SPLIT_TILES=min_split_tiles,
+        MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
         ROPE=fused, HAS_NORM=has_norm and fused, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if block_m >= 128 else 4, num_stages=stages, **_launch_options(pdl))
     return out
