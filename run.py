@@ -5,12 +5,11 @@
     python run.py bench                           # offline throughput, nano-vllm's protocol
     python run.py online --rate 16 --requests 200 # Poisson arrivals: TTFT, TPOT, ITL, end-to-end latency
     python run.py profile --requests 64           # Chrome traces of a few decode steps per configuration
-    python run.py kernels                         # each kernel against what it replaces (CUDA)
 
 Results go to stdout as JSON lines (generate's text, unless --json), and nothing else does: progress goes
 to stderr. Bad input prints one line naming the problem and exits with status 2. On the CPU the defaults
 are smaller where a command would take long, and each command's --help says how long it takes.
-Imports nanoengine (and, for `kernels`, kernels.py).
+Imports nanoengine (and kernels.py, for the launch costs).
 """
 import argparse
 import collections
@@ -580,68 +579,6 @@ def trace_summary(path: str, steps: int, cuda: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# run.py kernels: each Part 2 variant against what it replaces, at real shapes (CUDA only). Times are
-# medians of CUDA-graph replays (launch overhead excluded); floors are bytes / bandwidth.
-
-
-def cmd_kernels(a):
-    if not torch.cuda.is_available():
-        raise ValueError("run.py kernels needs a CUDA device")
-    bandwidth, source = floor_bandwidth(a, "cuda")
-    emit(dict(device=torch.cuda.get_device_name(), **bandwidth_fields(bandwidth, source)))
-    torch.manual_seed(0)
-    bf16, dev, pdl = torch.bfloat16, "cuda", kernels.has_pdl(torch.device("cuda"))
-    rand = lambda *shape, s=1.0: torch.randn(*shape, device=dev, dtype=bf16) * s  # noqa: E731
-
-    def row(name, shape, fn, replaced, floor_bytes, what):
-        us, ref_us = (triton.testing.do_bench_cudagraph(f, rep=20, return_mode="median") * 1e3 for f in (fn, replaced))
-        floor = floor_bytes / bandwidth * 1e6
-        emit(dict(kernel=name, **shape, us=round(us, 2), replaces=what, replaced_us=round(ref_us, 2),
-                  floor_us=round(floor, 2), pct_of_bw=round(100 * floor / us, 1)))
-
-    for m in (1, 16, 64):  # Qwen3-0.6B's gate/up with silu: linear(gated) against cuBLAS + silu_and_mul
-        x, w = rand(m, 1024), rand(6144, 1024, s=0.03)
-        row("linear_gated", dict(rows=m), lambda: kernels.linear(x, w, gated=True, pdl=pdl),
-            lambda: kernels.silu_and_mul(torch.nn.functional.linear(x, w)), w.numel() * 2, "F.linear + silu_and_mul")
-    x, r, g, w = rand(1, 1024), rand(1, 1024), rand(1024), rand(4096, 1024, s=0.03)
-    row("add_rmsnorm_linear", dict(rows=1), lambda: kernels.add_rmsnorm_linear(x, r, g, 1e-6, w, pdl=pdl),
-        lambda: torch.nn.functional.linear(kernels.add_rmsnorm(x, r, g, 1e-6)[0], w), w.numel() * 2,
-        "add_rmsnorm + F.linear")
-    h, hkv, d, bs = 16, 8, 128, 16
-    for b, ctx in ((1, 4096), (16, 1024), (256, 48)):
-        nb = b * -(-ctx // bs) + 1
-        kc, vc = rand(nb, bs, hkv, d), rand(nb, bs, hkv, d)
-        table = torch.randperm(nb - 1, device=dev)[:nb - 1].view(b, -1).int()
-        sl = torch.full((b,), ctx, device=dev)
-        slots = table[:, -1].long() * bs + (ctx - 1) % bs
-        qkv = rand(b, (h + 2 * hkv) * d)
-        q, k, v = (t.view(b, -1, d) for t in qkv.split([h * d, hkv * d, hkv * d], dim=1))
-        cs, qsl = torch.randn(8192, d, device=dev), torch.arange(b + 1, device=dev, dtype=torch.int32)
-        row("decode_attention", dict(batch=b, context=ctx),
-            lambda: kernels.decode_attention(q, k, v, kc, vc, slots, sl - 1, sl, table, cs, d ** -0.5,
-                                             max_seq_len=ctx, pdl=pdl),
-            lambda: (kernels.rope_write_kv(q, k, v, kc, vc, slots, sl - 1, cs),
-                     kernels.paged_attention(q, kc, vc, qsl, sl, table, d ** -0.5, 1)),
-            2 * b * ctx * hkv * d * 2, "rope_write_kv + paged_attention")
-    e, inter, dm, top = 128, 768, 2048, 8
-    gu, dn = rand(e, 2 * inter, dm, s=dm ** -0.5), rand(e, dm, inter, s=inter ** -0.5)
-    for n in (1, 4):
-        x = rand(n, dm)
-        wts, ids = kernels.moe_route_ref(torch.randn(n, e, device=dev, dtype=bf16), top, True)
-        touched = ids.unique().numel()
-        row("fused_moe_decode", dict(tokens=n), lambda: kernels.fused_moe_decode(x, gu, dn, wts, ids, pdl=pdl),
-            lambda: kernels.fused_moe(x, gu, dn, wts, ids), touched * 3 * inter * dm * 2, "fused_moe")
-        logits = rand(n, e)
-        row("moe_route", dict(tokens=n), lambda: kernels.moe_route(logits, top, True, pdl=pdl),
-            lambda: kernels.moe_route_ref(logits, top, True), n * e * 2, "moe_route_ref (torch)")
-    for s in (1, 256):
-        logits = rand(s, 151936)
-        t, seeds = torch.full((s,), 0.6, device=dev), torch.arange(s, device=dev)
-        row("race_sample", dict(rows=s), lambda: kernels.race_sample(logits, t, seeds, seeds, pdl=pdl),
-            lambda: kernels.race_sample_ref(logits, t, seeds, seeds), s * 151936 * 2, "race_sample_ref (torch)")
-
-
-# ----------------------------------------------------------------------------------------------------------
 # The command line
 
 
@@ -767,8 +704,6 @@ def make_parser() -> Parser:
     r.add_argument("--out", default="traces", help="folder for the traces (default: %(default)s)")
     r.add_argument("--with-cpu", action="store_true",
                    help="on CUDA, trace the host's ops too, which slows the host (default: off, kernels only)")
-    command("kernels", "each Part 2 variant against what it replaces, one JSON line per kernel and shape (CUDA "
-            "only; about a minute on an H200)", (floors,))
     return p
 
 
@@ -776,7 +711,7 @@ def main(argv=None):
     a = make_parser().parse_args(argv)
     try:
         {"generate": cmd_generate, "overhead": cmd_overhead, "bench": cmd_bench, "online": cmd_online,
-         "profile": cmd_profile, "kernels": cmd_kernels}[a.cmd](a)
+         "profile": cmd_profile}[a.cmd](a)
     except (ValueError, TypeError, OSError) as e:  # bad input (or a path it names): one line, no traceback
         print(f"run.py {a.cmd}: error: {e}", file=sys.stderr)
         sys.exit(2)
