@@ -37,12 +37,948 @@ from scheduler import (FINISHED, PLACEHOLDER, RUNNING, SEED_RANGE, Batch, BlockM
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
 
-# EngineConfig's annotations -> what its fields may hold (scheduler.KINDS): see EngineConfig._check_types
-SETTING_KINDS = {str: "str", int: "int", float: "number", bool: "bool", tuple: "ints"}
-EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
 CPU_KV_BYTES = 512 << 20          # KV cache on the CPU: 16k blocks for `tiny`, modest for real shapes
 CUDA_SPARE_BYTES = 1 << 30        # kept free on CUDA beyond the measured activations: cuBLAS, the allocator
 STAGING_ALIGN_BYTES = 16          # staged tensors start 16-byte aligned: see aligned_offsets
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Part 1, the model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out=None) -> torch.Tensor:
+    """cuBLAS's matmul; `out` (a graph's static logits buffer) is written in place."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+
+
+def textbook_ops(triton: bool) -> SimpleNamespace:
+    """The operations the forward calls by name: Part 1's Triton launchers, or their plain-torch references
+    (same arguments). Part 2 (tuned_ops) swaps some for decode-speed variants and fills the two None slots."""
+    k = lambda name: getattr(kernels, name if triton else name + "_ref")  # noqa: E731
+    return SimpleNamespace(
+        add_rmsnorm=k("add_rmsnorm"), silu_and_mul=k("silu_and_mul"), rope_write_kv=k("rope_write_kv"),
+        paged_attention=k("paged_attention"), fused_moe=k("fused_moe"), linear=linear,
+        moe_route=kernels.moe_route_ref, race_sample=kernels.race_sample_ref,
+        add_rmsnorm_linear=None,  # Part 2: the norm made as the matmul after it loads its input
+        decode_attention=None,  # Part 2: rope_write_kv and paged_attention in one launch, for decode
+        decode_context_bounds=lambda b, hkv: ())  # Part 2: context lengths where decode attention's tiles change
+
+
+def rope_cos_sin(cfg: "ModelConfig", max_pos: int, device) -> torch.Tensor:
+    """(max_pos, head_dim) float32: cos in the first half, sin in the second (HF's rotate_half layout)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if cfg.rope_scaling:  # Llama 3.1/3.2: stretch the long wavelengths, keep the short ones, blend between
+        s = cfg.rope_scaling
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / lo, inv_freq / factor,
+                               torch.where(wavelen < old_len / hi, inv_freq, blended))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)  # (max_pos, d/2)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+
+
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose rows are the parts' rows stacked: one matmul, one read of x, one launch."""
+    fused = nn.Linear(1, 1, bias=parts[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]))  # (sum of outs, in)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]))
+    return fused
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight; the math is ops.add_rmsnorm (or, inside rope_write_kv, the per-head norm)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__()
+        self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(self.D), RMSNorm(self.D)
+
+    def fuse(self):
+        """Fusing q, k and v saves two launches, two reads of x, and the two smallest matmuls' poor use of
+        the GPU: one (H + 2 Hkv) D-row matmul streams its weight at a better rate than three."""
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, qkv: torch.Tensor, batch: Batch, k_cache, v_cache, cos_sin, ops) -> torch.Tensor:
+        """qkv (T, (H + 2 Hkv) D) from the fused matmul -> (T, hidden)."""
+        T, H, Hkv, D = qkv.shape[0], self.H, self.Hkv, self.D
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)  # strided views, no copy
+        qn = self.q_norm.weight if hasattr(self, "q_norm") else None
+        kn = self.k_norm.weight if hasattr(self, "k_norm") else None
+        if ops.decode_attention and batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
+            # Part 2 (kernels 2.3): a decode batch's RoPE, KV write and attention in one launch
+            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, batch.seq_lens,
+                                     batch.block_table, cos_sin, self.scale, qn, kn, self.eps,
+                                     max_seq_len=batch.max_seq_len)
+        else:
+            # q rotated in place; k rotated into its cache slot, v beside it
+            ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn, self.eps)
+            o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                    self.scale, batch.max_query_len)  # (T, H, D)
+        return ops.linear(o.view(T, H * D), self.o_proj.weight, self.o_proj.bias)
+
+    def forward_unfused(self, x, batch, k_cache, v_cache, cos_sin, ops):
+        """The eager baseline: three matmuls."""
+        qkv = torch.cat([F.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        return self.forward(qkv, batch, k_cache, v_cache, cos_sin, ops)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def fuse(self):
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])  # (2I, hidden): gate rows, then up
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x, ops):
+        """Unfused (the eager baseline, and a MoE's experts before fusion)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE block: a softmax router picks top-k experts per token; their outputs are mixed by weight."""
+
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
+
+    def fuse(self):
+        """Stack the experts so one grouped-GEMM kernel can reach any of them by index."""
+        self.w_gate_up = nn.Parameter(torch.stack(  # (E, 2I, hidden)
+            [torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts]))
+        self.w_down = nn.Parameter(torch.stack([e.down_proj.weight.data for e in self.experts]))  # (E, hidden, I)
+        del self.experts
+
+    def forward(self, x, ops):
+        # softmax in float32 as HF does, top k, renormalised if the config says so: (T, k) each
+        weights, ids = ops.moe_route(ops.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob)
+        if hasattr(self, "w_gate_up"):
+            return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        # Unfused: one small matmul chain per expert that got tokens, and a host sync per expert to know
+        # which did: the reason this path can never run inside a CUDA graph.
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token], ops) * weights[token, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: "ModelConfig", i: int):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+
+    def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
+        """Pre-norm: residual += x, normalise, attend; residual += that, normalise, MLP. residual is None
+        before the first layer. Returns (this layer's output, the residual stream)."""
+        attn, mlp, eps = self.self_attn, self.mlp, self.eps
+        if not hasattr(attn, "qkv_proj"):  # the unfused eager baseline
+            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
+            x = attn.forward_unfused(h, batch, k_cache, v_cache, cos_sin, ops)
+            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
+            return mlp(h, ops), residual
+        if ops.add_rmsnorm_linear:  # Part 2 (kernels 2.2): the add + norm made as the q/k/v matmul loads its row
+            qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps,
+                                                   attn.qkv_proj.weight, attn.qkv_proj.bias)
+        else:
+            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
+            qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x = attn(qkv, batch, k_cache, v_cache, cos_sin, ops)
+        if isinstance(mlp, MoE):  # the router and the experts both read the normed x
+            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
+            return mlp(h, ops), residual
+        if ops.add_rmsnorm_linear:  # Part 2: ... and silu(gate) * up made as the gate/up matmul stores
+            h, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
+                                                 mlp.gate_up_proj.weight, gated=True)
+        else:
+            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
+            h = ops.silu_and_mul(ops.linear(h, mlp.gate_up_proj.weight))
+        return ops.linear(h, mlp.down_proj.weight), residual
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops = textbook_ops(triton=False)
+        self.cos_sin = None  # set by build_model: (max_pos, head_dim) float32 on the model's device
+        self.graph_safe = False  # every op a sync-free Triton launch: a CUDA graph can capture the forward
+
+    def tie(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse(self):
+        """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """batch: one step's tokens; kv_cache (2, layers, blocks + 1, block_size, Hkv, D). -> (T, hidden)"""
+        x, residual = self.model.embed_tokens(batch.input_ids), None
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, batch, kv_cache[0, i], kv_cache[1, i], self.cos_sin, self.ops)
+        return self.ops.add_rmsnorm(x, residual, self.model.norm.weight, self.config.rms_norm_eps)[0]
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # (S, vocab) in the model's dtype: the sampler reads it as float32 in registers, so a float32 copy
+        # would only be one more kernel and twice the bytes.
+        return self.ops.linear(hidden, self.lm_head.weight, out=out)
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor      # (S,) float32; 0 = greedy
+    top_k: torch.Tensor            # (S,) int64; vocab size when off
+    top_p: torch.Tensor            # (S,) float32
+    seeds: torch.Tensor            # (S,) int64
+    counters: torch.Tensor         # (S,) int64: index of the token being sampled
+    all_greedy: bool
+    need_filter: bool              # any top-k or top-p in the batch (a sort over the vocab)
+
+
+def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref) -> torch.Tensor:
+    """(S, vocab) logits -> (S,) int64 tokens, on the device, with no host sync. Top-k / top-p set the
+    dropped logits to -inf (a sort, only when some request asks for it); then `race` draws each row from
+    softmax(logits / T) by the exponential race, with noise that is a hash of (seed, token index,
+    vocabulary id): a request's tokens never depend on its batch. Temperature 0 rows take the argmax."""
+    if s.all_greedy:
+        return race(logits.contiguous(), s.temperature, s.seeds, s.counters, greedy=True)
+    if s.need_filter:
+        logits = logits.float()
+        scaled = logits / s.temperature.clamp(min=1e-5)[:, None]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = (rank[None, :] >= s.top_k[:, None]) | (probs.cumsum(-1) - probs > s.top_p[:, None])
+        logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return race(logits.contiguous(), s.temperature, s.seeds, s.counters)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model runner: a step's Batch (InputBuilder), then its forward and sampling (ModelRunner)
+
+
+def aligned_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
+    """Where each of several arrays starts when packed into one buffer with every start 16-byte aligned,
+    and the total length. Triton compiles a kernel once per pointer alignment it sees: packed tightly, the
+    staged tensors' alignment would change with each step's sizes, and a run would stall on recompiles."""
+    align = max(1, STAGING_ALIGN_BYTES // itemsize)
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // align) * align
+    return offsets, total
+
+
+class Staging:
+    """Host arrays -> device tensors in one copy per dtype. On CUDA the arrays are packed into pinned
+    buffers and copied without blocking; two buffers alternate so the host can fill one while the other's
+    copy may still be queued behind the step in flight (an event guards the reuse). On the CPU the
+    tensors are zero-copy views, kept while the same arrays come back (Part 2's steady rows do)."""
+
+    def __init__(self, device: torch.device, sizes: dict):
+        self.device, self.cuda, self.turn = device, device.type == "cuda", 0
+        self.buffers, self.events, self.last = [{}, {}], [None, None], ([], [])
+        if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
+            for buffers in self.buffers:
+                for dtype, n in sizes.items():
+                    n += STAGING_ALIGN_BYTES * 16  # alignment padding: under 16 bytes for each of <= 16 arrays
+                    buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
+
+    def to_device(self, *groups: list) -> list[list[torch.Tensor]]:
+        if not self.cuda:
+            arrays = [a for g in groups for a in g]
+            if len(arrays) != len(self.last[0]) or any(a is not b for a, b in zip(arrays, self.last[0])):
+                self.last = arrays, [[torch.from_numpy(np.ascontiguousarray(a)) for a in g] for g in groups]
+            return self.last[1]
+        self.turn ^= 1
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()
+        result = [self._copy(g) for g in groups]
+        self.events[self.turn] = torch.cuda.Event()
+        self.events[self.turn].record()
+        return result
+
+    def _copy(self, arrays: list) -> list[torch.Tensor]:
+        dtype = arrays[0].dtype
+        offsets, total = aligned_offsets([a.size for a in arrays], dtype.itemsize)
+        buf = self.buffers[self.turn].get(dtype)
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
+                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
+            self.buffers[self.turn][dtype] = buf
+        host = buf.numpy()
+        for a, o in zip(arrays, offsets):
+            host[o:o + a.size] = a.ravel()
+        dev = buf[:total].to(self.device, non_blocking=True)  # one copy; the allocator aligns its start
+        return [dev[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
+
+
+class InputBuilder:
+    """Turns a plan (SchedulerOutput) into the step's Batch and SamplingBatch on the device.
+
+    Per-request state lives in persistent rows (block-table row, sampling settings) that change only when
+    a request joins or gets a new block, so a step gathers rows instead of rebuilding them. Inputs still
+    on the device (async: PLACEHOLDERs) are copied from the last step's sampled tokens, never read back."""
+
+    def __init__(self, cfg: "EngineConfig", vocab_size: int, max_blocks_per_seq: int):
+        self.block_size, self.vocab_size = cfg.block_size, vocab_size
+        self.device = torch.device(cfg.device)
+        rows = 2 * cfg.max_num_seqs  # live requests: running, or preempted and coming back
+        self.row_of: dict[Request, int] = {}
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)  # block-table rows
+        self.row_nblocks = np.zeros(rows, dtype=np.int64)  # how many of its blocks are in self.table
+        self.temperature = np.zeros(rows, dtype=np.float32)
+        self.top_k = np.zeros(rows, dtype=np.int64)
+        self.top_p = np.zeros(rows, dtype=np.float32)
+        self.seed = np.zeros(rows, dtype=np.int64)
+        self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
+        T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
+        self.staging = Staging(self.device, {"int64": 6 * T + 5 * S, "int32": S + 1 + S * max_blocks_per_seq,
+                                             "float32": 2 * S})
+        # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
+        self.prev_tokens, self.prev_sampling, self._prev_rows = None, (), None
+
+    # -- persistent rows --------------------------------------------------------------------------------
+    def rows(self, out) -> np.ndarray:
+        """Each request's row, its block-table row brought up to date (only new blocks are copied)."""
+        reqs, row_of = out.requests, self.row_of
+        rows = [row_of.get(r) for r in reqs]
+        if None in rows:  # new requests, or preempted ones back (their row was released with their blocks)
+            rows = [self._new_row(r) if i is None else i for r, i in zip(reqs, rows)]
+        rows = np.array(rows, dtype=np.int64)
+        nblocks = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
+        for i in np.flatnonzero(nblocks != self.row_nblocks[rows]).tolist():
+            row, blocks, n0 = rows[i], reqs[i].block_ids, self.row_nblocks[rows[i]]
+            self.table[row, n0:len(blocks)] = blocks[n0:]
+            self.row_nblocks[row] = len(blocks)
+        return rows
+
+    def _new_row(self, req: Request) -> int:
+        if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
+            for r in [r for r in self.row_of if r.status != RUNNING]:
+                self.release(r)
+        row = self.free_rows.pop()
+        self.row_of[req] = row
+        self.row_nblocks[row] = 0
+        p = req.params
+        self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
+        top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size  # -1, 0, >= vocab: no limit
+        self.top_k[row], self.filtered[row] = top_k, top_k < self.vocab_size or p.top_p < 1
+        return row
+
+    def release(self, req: Request):
+        row = self.row_of.pop(req, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    # -- one step's tensors -----------------------------------------------------------------------------
+    def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
+        """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
+        reqs, rows, starts = out.requests, self.rows(out), out.starts
+        if out.is_decode:  # one token per request, each at position start: all vectorised
+            ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
+            pos, seq_lens = starts, starts + 1
+            slots = self._slots(rows, pos)
+            qsl = np.arange(len(reqs) + 1, dtype=np.int32)
+            sampling, srows, logits_indices, max_query_len = reqs, rows, qsl[:-1].astype(np.int64), 1
+            counters = seq_lens
+        else:
+            ids, pos, slots, qsl, seq_lens, sample_mask = self._prepare_mixed(out, rows)
+            sampling = tuple(r for r, s in zip(reqs, out.samples) if s)
+            srows, logits_indices = rows[sample_mask], (qsl[1:] - 1)[sample_mask].astype(np.int64)
+            max_query_len, counters = int((qsl[1:] - qsl[:-1]).max()), seq_lens[sample_mask]
+        # Inputs sampled by the step in flight (async): their indices travel in the same pinned copy as the
+        # rest; a pageable copy would wait for that step to finish.
+        fills = np.flatnonzero(ids == PLACEHOLDER)
+        same_rows = out.is_decode and len(fills) == len(reqs) and reqs == self.prev_sampling
+        if len(fills) and not same_rows:
+            owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
+            src = np.array([self.prev_rows[reqs[b]] for b in owners.tolist()], dtype=np.int64)
+        else:
+            fills = src = np.zeros(0, dtype=np.int64)
+        temperature, max_seq_len = self.temperature[srows], int(seq_lens.max())
+        ints64, ints32, floats = self.staging.to_device(
+            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src, seq_lens],
+            [qsl, self._block_table(rows, max_seq_len)],
+            [temperature, self.top_p[srows]])
+        batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2], query_start_loc=ints32[0],
+                      seq_lens=ints64[9], block_table=ints32[1], logits_indices=ints64[3],
+                      max_query_len=max_query_len, max_seq_len=max_seq_len)
+        if same_rows:  # every input is the token the same row sampled last step
+            batch.input_ids.copy_(self.prev_tokens)
+        elif len(fills):
+            batch.input_ids[ints64[7]] = self.prev_tokens[ints64[8]]
+        sbatch = SamplingBatch(temperature=floats[0], top_k=ints64[6], top_p=floats[1], seeds=ints64[4],
+                               counters=ints64[5], all_greedy=not temperature.any(),
+                               need_filter=bool(self.filtered[srows].any()))
+        return batch, sbatch, sampling
+
+    def _prepare_mixed(self, out, rows):
+        """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
+        bs, ids, pos = self.block_size, [], []
+        for r, s, n in zip(out.requests, out.starts, out.num_tokens):
+            ids += r.token_ids[s:s + n]
+            pos.append(np.arange(s, s + n))
+        ns = np.array(out.num_tokens, dtype=np.int64)
+        pos = np.concatenate(pos)
+        slots = self.table[np.repeat(rows, ns), pos // bs].astype(np.int64) * bs + pos % bs
+        qsl = np.concatenate([[0], np.cumsum(ns)]).astype(np.int32)
+        return (np.array(ids, dtype=np.int64), pos, slots, qsl, out.starts + ns,
+                np.array(out.samples, dtype=bool))
+
+    def _slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """(n,) int64 KV slots of the tokens at these positions, one per row."""
+        return self.table[rows, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+
+    def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
+        """These rows of the block table, as many columns as the longest request needs (columns first,
+        then rows: numpy's mixed indexing, table[rows, :width], is several times slower)."""
+        return self.table[:, :-(-max_seq_len // self.block_size)][rows]
+
+    def sampled(self, out, tokens: torch.Tensor, sampling: tuple):
+        """The step's sampled tokens (S,) on the device, for the next step's PLACEHOLDER inputs."""
+        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
+
+    @property
+    def prev_rows(self) -> dict:
+        """Request -> its row in the previous step's token tensor (built only when a step needs it)."""
+        if self._prev_rows is None:
+            self._prev_rows = {r: i for i, r in enumerate(self.prev_sampling)}
+        return self._prev_rows
+
+
+class ModelRunner:
+    """Owns the KV cache and the graphs; runs a step's forward (graphed or eager) and its sampler."""
+
+    def __init__(self, model: Model, cfg: "EngineConfig", num_blocks: int, max_len: int, inputs: InputBuilder):
+        mc = model.config
+        self.model, self.cfg, self.inputs, self.device = model, cfg, inputs, torch.device(cfg.device)
+        self.max_blocks_per_seq = -(-max_len // cfg.block_size)
+        # One extra block at the end: the scratch block. The block manager never hands it out; padding
+        # tokens (slot -1) write there, so they can never touch a real request's KV.
+        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
+                                    mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
+        self.stats = StepStats(cuda=self.device.type == "cuda")
+        self.graphs = None
+        if not cfg.enforce_eager:
+            tokens = () if cfg.cudagraph_mode == "full_decode_only" else \
+                (cfg.graph_token_buckets or default_token_buckets(cfg.max_num_batched_tokens))
+            self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq, cfg.max_num_seqs,
+                                      cfg.graph_buckets or default_buckets(cfg.max_num_seqs), list(tokens),
+                                      capture=self.device.type == "cuda")
+
+    def close(self):
+        """Drop every tensor this runner holds: the KV cache, the graphs (and their memory pool), the
+        staging buffers, last step's tokens and the model (Engine.close)."""
+        self.kv_cache = self.graphs = self.model = self.inputs = None
+
+    def execute(self, out) -> torch.Tensor:
+        """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
+        batch, sbatch, sampling = self.inputs.prepare(out)
+        t0, start = time.perf_counter(), self.stats.start()
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # eager: the forward's activations are freed on return
+            logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
+        tokens = sample(logits, sbatch, self.model.ops.race_sample)
+        self.stats.end(start, prompt=not out.is_decode)
+        self.stats.forward_s += time.perf_counter() - t0
+        self.inputs.sampled(out, tokens, sampling)
+        return tokens
+
+
+class StepStats:
+    """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
+    (scheduling, batch building, bookkeeping). With `timing` on (benchmarks) each step's time is kept,
+    tagged by kind (with prompt tokens, or decode only): device time from a pair of CUDA events on CUDA,
+    the forward's wall time on the CPU (where it is synchronous). Off by default: no events are made."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.timing = cuda, False
+        self.reset()
+
+    def reset(self):
+        self.steps = self.tokens = 0
+        self.total_s = self.forward_s = self.wait_s = 0.0
+        self.events = []  # (start, end or None, has prompt tokens)
+
+    @property
+    def host_s(self) -> float:
+        return self.total_s - self.forward_s - self.wait_s
+
+    def start(self):
+        if not self.timing:
+            return None
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end(self, start, prompt: bool):
+        if start is None:
+            return
+        if not self.cuda:
+            self.events.append((time.perf_counter() - start, None, prompt))
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.events.append((start, end, prompt))
+
+    def step_seconds(self) -> list[tuple[float, bool]]:
+        """(seconds, has prompt tokens) of each timed step."""
+        if self.cuda and self.events:
+            self.events[-1][1].synchronize()
+        return [(a.elapsed_time(b) / 1e3 if self.cuda else a, prompt) for a, b, prompt in self.events]
+
+    def gpu_seconds(self) -> float:
+        return sum(s for s, _ in self.step_seconds())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine and the LLM front end
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]           # output tokens so far ("delta": only the new ones)
+    new_token_ids: list[int]       # the tokens this output adds to the last one
+    text: str | None
+    finished: bool
+    finish_reason: str | None      # "stop", "length" or "abort"; None while running
+    metrics: dict                  # arrival, first_scheduled, first_token, finished times; ttft, tpot (s)
+
+
+class Engine:
+    """add_request / abort / step / step_async / has_unfinished / stream, over a scheduler and a model runner."""
+
+    def __init__(self, cfg: "EngineConfig | None" = None, **settings):
+        cfg = cfg or EngineConfig(**settings)
+        if not isinstance(cfg, EngineConfig):
+            raise TypeError(f"cfg={cfg!r:.80} has type {type(cfg).__name__}: give an EngineConfig, or the "
+                            "settings as keywords (Engine(model=...))")
+        self.cfg, self.cuda = cfg, cfg.device.startswith("cuda")
+        self.model, folder = build_model(cfg)
+        self.tokenizer = load_tokenizer(folder)
+        mc = self.model.config
+        self.max_model_len = max_model_len(cfg, mc)
+        num_blocks = cfg.num_blocks or self._blocks_for_memory()
+        steady = "steady" in cfg.tuned  # Part 2: the steady-decode host path
+        blocks = BlockManager(num_blocks, cfg.block_size)
+        self.book = (SteadyBook if steady else RequestBook)(blocks, self.max_model_len, mc.eos_token_ids)
+        self.scheduler = (SteadyScheduler if steady else Scheduler)(self.book, cfg.max_num_seqs,
+                                                                   cfg.max_num_batched_tokens)
+        max_blocks = -(-self.max_model_len // cfg.block_size)
+        inputs = (SteadyInputBuilder if steady else InputBuilder)(cfg, mc.vocab_size, max_blocks)
+        # Finished, aborted or preempted requests give their rows back. The builder's bound method, not a
+        # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
+        self.book.on_release = inputs.release
+        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len, inputs)
+        self.rng = random.Random(cfg.seed)
+        self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
+        self.readback = None  # async on CUDA: two pinned token buffers, alternating
+        self._ids = 0
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue one request; returns its id. Bad input raises ValueError (or TypeError, for
+        a wrong type) naming the argument, its value and what is allowed, and changes nothing."""
+        ids, params = self._check(prompt, params, request_id)
+        return self._add(ids, params, request_id)
+
+    def abort(self, request_id: str):
+        """Stop a request and give its blocks back. The next step() or step_async() returns it, once, with
+        finish_reason "abort" and the tokens it had, as vLLM does. Safe at any time, also with a step in
+        flight (async): that step's token for it is dropped, as it was never read back. An unknown or
+        finished id is ignored."""
+        check_type("request_id", request_id, "str")
+        self._check_open()
+        req = self.book.requests.get(request_id)
+        if req is not None:
+            self.book.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        """Requests to run, a step in flight, or aborted requests not yet returned."""
+        self._check_open()
+        return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted)
+
+    # -- a step ------------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> StepStats:
+        return self.runner.stats
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, read the tokens back (one host sync), update. Returns an output for each request
+        that got a token (or finished) in this step, as its output_kind asks."""
+        self._check_open()
+        t0 = time.perf_counter()
+        report = self._land() if self.inflight else []  # switching from async: land its step first
+        out = self.scheduler.schedule()
+        if out.requests:
+            tokens = self.runner.execute(out)
+            t1 = time.perf_counter()
+            tokens = tokens.cpu().numpy()
+            self.stats.wait_s += time.perf_counter() - t1
+            report += self.book.update(out, tokens)
+        return self._outputs(out, report, t0)
+
+    def step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
+        self._check_open()
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        launched = None
+        if out.requests:
+            tokens = self.runner.execute(out)
+            launched = (self.book.append_placeholders(out), *self._copy_to_host(tokens))
+        report = self._land() if self.inflight else []
+        self.inflight = launched
+        return self._outputs(out, report, t0)
+
+    def _outputs(self, out, report: list[Request], t0: float) -> list[RequestOutput]:
+        report += self.book.aborted
+        self.book.aborted = []
+        outputs = [self.output(r) for r in report]
+        st = self.stats
+        st.steps += bool(out.requests)
+        st.tokens += out.num_samples
+        st.total_s += time.perf_counter() - t0
+        return outputs
+
+    def _copy_to_host(self, tokens: torch.Tensor):
+        """Start the copy of a step's tokens into pinned memory; an event says when they have landed. Two
+        persistent buffers alternate (one step is in flight at most): allocating pinned memory per step
+        could synchronise the device, which is the one thing this path must not do."""
+        if not self.cuda:
+            return tokens, None
+        if self.readback is None:
+            self.readback = [torch.empty(self.cfg.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                             for _ in range(2)]
+        self.readback.reverse()
+        host = self.readback[0][:tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _land(self) -> list[Request]:
+        slots, host, event = self.inflight
+        self.inflight = None
+        t = time.perf_counter()
+        if event is not None:
+            event.synchronize()
+        tokens = host.numpy()
+        self.stats.wait_s += time.perf_counter() - t
+        return self.book.fill(slots, tokens)
+
+    def output(self, req: Request) -> RequestOutput:
+        ids = req.output_token_ids
+        new, req.num_reported = ids[req.num_reported:], len(ids)
+        finished = req.status == FINISHED
+        if req.params.output_kind == "final_only" and not finished:
+            raise AssertionError(f"{req.request_id} asked for its final output only")
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
+        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens],
+                             new if req.params.output_kind == "delta" else ids, new, text, finished,
+                             req.finish_reason, request_metrics(req))
+
+    # -- around the steps: checking requests, sizing the cache, streaming, closing -----------------------
+    def tokenize(self, prompt) -> list[int]:
+        """A prompt as token ids: text through the model's tokenizer, or a list (tuple, numpy array, 1-D
+        tensor) of integer ids taken as they are. Anything else is a TypeError: an id is never rounded."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is a string but model={self.cfg.model!r} has no tokenizer "
+                                 "(it needs tokenizer.json and the optional 'tokenizers' package); "
+                                 "pass token ids instead")
+            return self.tokenizer.encode(prompt).ids
+        if isinstance(prompt, (np.ndarray, torch.Tensor)):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"prompt={prompt!r:.80} has type {type(prompt).__name__}: give a string or a list of "
+                            "token ids")
+        if not all(type(t) is int for t in prompt):  # one quick pass for the usual case; numpy ints pass too
+            bad = next((i for i, t in enumerate(prompt) if not is_int(t)), None)
+            if bad is not None:
+                raise TypeError(f"prompt[{bad}]={prompt[bad]!r:.80} has type {type(prompt[bad]).__name__}: token "
+                                "ids must be integers")
+        return [int(t) for t in prompt]
+
+    def _check(self, prompt, params, request_id: str | None) -> tuple[list[int], SamplingParams]:
+        """The checks of add_request: (the prompt's ids, the params). Raises on bad input."""
+        self._check_open()
+        params = check_params("params", params)
+        check_type("request_id", request_id, "str", optional=True)
+        if request_id in self.book.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        vocab, limit = self.model.config.vocab_size, self.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary: ids must be in [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most "
+                             f"{limit - 1}")
+        capacity = self.book.blocks.num_blocks * self.cfg.block_size
+        need = min(len(ids) + params.max_tokens, limit)
+        if need > capacity:
+            raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_tokens "
+                             f"{params.max_tokens}) but the whole cache holds {capacity}; lower max_tokens "
+                             "or give the engine more num_blocks")
+        return ids, params
+
+    def _add(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request that _check has passed."""
+        if request_id is None:  # the next number that no request uses (a caller may have picked it as an id)
+            while str(self._ids) in self.book.requests:
+                self._ids += 1
+            request_id, self._ids = str(self._ids), self._ids + 1
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        self.book.add(Request(request_id, ids, params, seed))
+        return request_id
+
+    def _blocks_for_memory(self) -> int:
+        """On CUDA, as in vLLM: the KV cache takes gpu_memory_utilization of the GPU's memory less this
+        engine's weights, a step's activations (which bound the graphs' pool) and CUDA_SPARE_BYTES. That
+        depends on nothing else in the process, so an engine made after another was closed or dropped gets
+        as many blocks as the first. Only where less is free (another engine holds it) is it cut."""
+        mc = self.model.config
+        per_block = 2 * mc.num_layers * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * \
+            self.model.lm_head.weight.element_size()
+        if not self.cuda:
+            return max(16, CPU_KV_BYTES // per_block)
+        gc.collect()  # a dropped engine that another library's reference cycle still holds lets go now
+        torch.cuda.empty_cache()  # dropped engines and the unfused weights left memory in torch's cache
+        activations = self._activation_bytes()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        util, weights = self.cfg.gpu_memory_utilization, param_bytes(self.model)
+        budget = min(total * util - weights, free) - activations - CUDA_SPARE_BYTES
+        if budget < per_block:
+            raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV cache: {free / 2**30:.1f} "
+                             f"of {total / 2**30:.1f} GiB are free with the weights ({weights / 2**30:.1f} GiB) "
+                             "loaded; close() engines you no longer use, raise gpu_memory_utilization or use "
+                             "a smaller model")
+        return int(budget // per_block)
+
+    def _activation_bytes(self) -> int:
+        """The most memory a step takes beyond the weights, measured as vLLM does: one forward of a full
+        step (max_num_batched_tokens tokens) on a dummy two-block cache. The graphs' shared pool holds the
+        largest graph's activations, so this counts them too, plus the graphs' static logits buffer."""
+        mc, cfg = self.model.config, self.cfg
+        T = min(cfg.max_num_batched_tokens, self.max_model_len)
+        kv = torch.zeros(2, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                         dtype=self.model.lm_head.weight.dtype, device=cfg.device)
+        dev = torch.device(cfg.device)
+        batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+                      positions=torch.arange(T, device=dev), slot_mapping=torch.full((T,), -1, device=dev),
+                      query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=dev),
+                      seq_lens=torch.tensor([T], device=dev),
+                      block_table=torch.zeros(1, -(-T // cfg.block_size), dtype=torch.int32, device=dev),
+                      logits_indices=torch.arange(min(T, cfg.max_num_seqs), device=dev), max_query_len=T,
+                      max_seq_len=T)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(batch, kv)[batch.logits_indices])
+        torch.cuda.synchronize()
+        logits_buffer = cfg.max_num_seqs * mc.vocab_size * self.model.lm_head.weight.element_size()
+        return torch.cuda.max_memory_allocated() - base + logits_buffer
+
+    def stream(self, prompt, params: SamplingParams | None = None):
+        """Add one request and yield its outputs as they arrive (output_kind "delta" unless given), while
+        stepping the engine, whose other requests go on too."""
+        params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
+                                                                  params.output_kind != "final_only" else "delta"))
+        rid = self.add_request(prompt, params)
+        step = self.step_async if self.cfg.async_scheduling else self.step
+        while True:
+            for o in step():
+                if o.request_id == rid:
+                    yield o
+                    if o.finished:
+                        return
+
+    def close(self):
+        """Give the engine's memory back now: KV cache, CUDA graphs and their memory pool, staging buffers
+        and weights, then torch's cache on CUDA. Using the engine afterwards raises ValueError; closing
+        twice does nothing. Dropping the last reference frees the same, short of emptying torch's cache
+        (the next engine does that before it sizes its KV cache)."""
+        if self.runner is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()  # a step in flight still reads the cache and writes its tokens
+        self.runner.close()
+        self.runner = self.scheduler = self.book = self.model = self.tokenizer = None
+        self.inflight = self.readback = None
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _check_open(self):
+        if self.runner is None:
+            raise ValueError("this engine is closed (close() gave its memory back); make a new LLM or Engine")
+
+
+def request_metrics(req: Request) -> dict:
+    """The request's times (time.perf_counter seconds) and what derives from them: time to first token, and
+    time per output token after the first."""
+    m = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+             first_token_time=req.first_token_time, finished_time=req.finished_time, ttft=None, tpot=None)
+    if req.first_token_time is not None:
+        m["ttft"] = req.first_token_time - req.arrival_time
+        n = len(req.output_token_ids)
+        if req.finished_time is not None and n > 1:
+            m["tpot"] = (req.finished_time - req.first_token_time) / (n - 1)
+    return m
+
+
+def load_tokenizer(folder: str | None):
+    if folder is None or not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # optional: without it, prompts must be token ids
+        return None
+    return Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+
+
+class LLM:
+    """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) -> outputs in input order."""
+
+    def __init__(self, model: str = "tiny", **settings):
+        self.engine = Engine(EngineConfig(model=model, **settings))
+
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """prompts: one prompt (text, or a list of token ids) or a list of them; sampling_params: one
+        SamplingParams for all, a list with one per prompt, or None for the defaults. Every prompt is
+        checked before any is queued, so a bad one raises (naming it) and leaves the engine as it was."""
+        prompts = prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
+            params = [check_params(f"sampling_params[{i}]", p) for i, p in enumerate(sampling_params)]
+        else:
+            params = [check_params("sampling_params", sampling_params)] * len(prompts)
+        engine, checked = self.engine, []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                checked.append(engine._check(prompt, p, None))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+        # one output per prompt, as vLLM's LLM asks for
+        ids = [engine._add(tokens, replace(p, output_kind="final_only")) for tokens, p in checked]
+        done = {}
+        step = engine.step_async if engine.cfg.async_scheduling else engine.step
+        while engine.has_unfinished():
+            for o in step():
+                done[o.request_id] = o
+        return [done[rid] for rid in ids]
+
+    def close(self):
+        """Engine.close: the KV cache, graphs and weights go now; generate then raises ValueError."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+def prompt_list(prompts) -> list:
+    """LLM.generate's prompts as a list of prompts: a single one (text, or token ids) becomes a list of one."""
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts={prompts!r:.80} has type {type(prompts).__name__}: give a prompt (a string or a "
+                        "list of token ids) or a list of prompts")
+    if prompts and not isinstance(prompts[0], (str, list, tuple, np.ndarray, torch.Tensor)):
+        return [prompts]  # one prompt of ids (tokenize says if they are not all integers)
+    return list(prompts)
+
+
+def check_params(name: str, params) -> SamplingParams:
+    """A request's SamplingParams: None means the defaults; anything else is a TypeError."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"{name}={params!r:.80} has type {type(params).__name__}: give a SamplingParams, or None "
+                        "for the defaults")
+    return params
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration and weights: the settings, the model's shape, a checkpoint folder or a preset's random weights
+
+
+# EngineConfig's annotations -> what its fields may hold (scheduler.KINDS): see EngineConfig._check_types
+SETTING_KINDS = {str: "str", int: "int", float: "number", bool: "bool", tuple: "ints"}
+EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -77,10 +1013,6 @@ PRESETS = {
                           num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
                           tie_word_embeddings=False),
 }
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Configuration
 
 
 # config.json fields that transformers 5.x writes under another name: {4.x name: 5.x name}. From 5.x's
@@ -272,237 +1204,6 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} but torch sees {torch.cuda.device_count()} CUDA devices")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out=None) -> torch.Tensor:
-    """cuBLAS's matmul; `out` (a graph's static logits buffer) is written in place."""
-    if out is None:
-        return F.linear(x, weight, bias)
-    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
-
-
-def textbook_ops(triton: bool) -> SimpleNamespace:
-    """The operations the forward calls by name: Part 1's Triton launchers, or their plain-torch references
-    (same arguments). Part 2 (tuned_ops) swaps some for decode-speed variants and fills the two None slots."""
-    k = lambda name: getattr(kernels, name if triton else name + "_ref")  # noqa: E731
-    return SimpleNamespace(
-        add_rmsnorm=k("add_rmsnorm"), silu_and_mul=k("silu_and_mul"), rope_write_kv=k("rope_write_kv"),
-        paged_attention=k("paged_attention"), fused_moe=k("fused_moe"), linear=linear,
-        moe_route=kernels.moe_route_ref, race_sample=kernels.race_sample_ref,
-        add_rmsnorm_linear=None,  # Part 2: the norm made as the matmul after it loads its input
-        decode_attention=None,  # Part 2: rope_write_kv and paged_attention in one launch, for decode
-        decode_context_bounds=lambda b, hkv: ())  # Part 2: context lengths where decode attention's tiles change
-
-
-def rope_cos_sin(cfg: ModelConfig, max_pos: int, device) -> torch.Tensor:
-    """(max_pos, head_dim) float32: cos in the first half, sin in the second (HF's rotate_half layout)."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    if cfg.rope_scaling:  # Llama 3.1/3.2: stretch the long wavelengths, keep the short ones, blend between
-        s = cfg.rope_scaling
-        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-        old_len = s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = torch.where(wavelen > old_len / lo, inv_freq / factor,
-                               torch.where(wavelen < old_len / hi, inv_freq, blended))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)  # (max_pos, d/2)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
-
-
-def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose rows are the parts' rows stacked: one matmul, one read of x, one launch."""
-    fused = nn.Linear(1, 1, bias=parts[0].bias is not None, device="meta")
-    fused.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]))  # (sum of outs, in)
-    if fused.bias is not None:
-        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]))
-    return fused
-
-
-class RMSNorm(nn.Module):
-    """Holds the weight; the math is ops.add_rmsnorm (or, inside rope_write_kv, the per-head norm)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(self.D), RMSNorm(self.D)
-
-    def fuse(self):
-        """Fusing q, k and v saves two launches, two reads of x, and the two smallest matmuls' poor use of
-        the GPU: one (H + 2 Hkv) D-row matmul streams its weight at a better rate than three."""
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-
-    def forward(self, qkv: torch.Tensor, batch: Batch, k_cache, v_cache, cos_sin, ops) -> torch.Tensor:
-        """qkv (T, (H + 2 Hkv) D) from the fused matmul -> (T, hidden)."""
-        T, H, Hkv, D = qkv.shape[0], self.H, self.Hkv, self.D
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)  # strided views, no copy
-        qn = self.q_norm.weight if hasattr(self, "q_norm") else None
-        kn = self.k_norm.weight if hasattr(self, "k_norm") else None
-        if ops.decode_attention and batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
-            # Part 2 (kernels 2.3): a decode batch's RoPE, KV write and attention in one launch
-            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, batch.seq_lens,
-                                     batch.block_table, cos_sin, self.scale, qn, kn, self.eps,
-                                     max_seq_len=batch.max_seq_len)
-        else:
-            # q rotated in place; k rotated into its cache slot, v beside it
-            ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn, self.eps)
-            o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
-                                    self.scale, batch.max_query_len)  # (T, H, D)
-        return ops.linear(o.view(T, H * D), self.o_proj.weight, self.o_proj.bias)
-
-    def forward_unfused(self, x, batch, k_cache, v_cache, cos_sin, ops):
-        """The eager baseline: three matmuls."""
-        qkv = torch.cat([F.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
-        return self.forward(qkv, batch, k_cache, v_cache, cos_sin, ops)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def fuse(self):
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])  # (2I, hidden): gate rows, then up
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x, ops):
-        """Unfused (the eager baseline, and a MoE's experts before fusion)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MoE(nn.Module):
-    """Qwen3-MoE block: a softmax router picks top-k experts per token; their outputs are mixed by weight."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.num_experts))
-
-    def fuse(self):
-        """Stack the experts so one grouped-GEMM kernel can reach any of them by index."""
-        self.w_gate_up = nn.Parameter(torch.stack(  # (E, 2I, hidden)
-            [torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts]))
-        self.w_down = nn.Parameter(torch.stack([e.down_proj.weight.data for e in self.experts]))  # (E, hidden, I)
-        del self.experts
-
-    def forward(self, x, ops):
-        # softmax in float32 as HF does, top k, renormalised if the config says so: (T, k) each
-        weights, ids = ops.moe_route(ops.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob)
-        if hasattr(self, "w_gate_up"):
-            return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
-        # Unfused: one small matmul chain per expert that got tokens, and a host sync per expert to know
-        # which did: the reason this path can never run inside a CUDA graph.
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(ids == e)
-            if token.numel():
-                out.index_add_(0, token, expert(x[token], ops) * weights[token, slot, None])
-        return out
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int):
-        super().__init__()
-        self.eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
-
-    def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
-        """Pre-norm: residual += x, normalise, attend; residual += that, normalise, MLP. residual is None
-        before the first layer. Returns (this layer's output, the residual stream)."""
-        attn, mlp, eps = self.self_attn, self.mlp, self.eps
-        if not hasattr(attn, "qkv_proj"):  # the unfused eager baseline
-            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-            x = attn.forward_unfused(h, batch, k_cache, v_cache, cos_sin, ops)
-            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
-            return mlp(h, ops), residual
-        if ops.add_rmsnorm_linear:  # Part 2 (kernels 2.2): the add + norm made as the q/k/v matmul loads its row
-            qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps,
-                                                   attn.qkv_proj.weight, attn.qkv_proj.bias)
-        else:
-            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-            qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        x = attn(qkv, batch, k_cache, v_cache, cos_sin, ops)
-        if isinstance(mlp, MoE):  # the router and the experts both read the normed x
-            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
-            return mlp(h, ops), residual
-        if ops.add_rmsnorm_linear:  # Part 2: ... and silu(gate) * up made as the gate/up matmul stores
-            h, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
-                                                 mlp.gate_up_proj.weight, gated=True)
-        else:
-            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
-            h = ops.silu_and_mul(ops.linear(h, mlp.gate_up_proj.weight))
-        return ops.linear(h, mlp.down_proj.weight), residual
-
-
-class Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.ops = textbook_ops(triton=False)
-        self.cos_sin = None  # set by build_model: (max_pos, head_dim) float32 on the model's device
-        self.graph_safe = False  # every op a sync-free Triton launch: a CUDA graph can capture the forward
-
-    def tie(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def fuse(self):
-        """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        return self
-
-    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """batch: one step's tokens; kv_cache (2, layers, blocks + 1, block_size, Hkv, D). -> (T, hidden)"""
-        x, residual = self.model.embed_tokens(batch.input_ids), None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, batch, kv_cache[0, i], kv_cache[1, i], self.cos_sin, self.ops)
-        return self.ops.add_rmsnorm(x, residual, self.model.norm.weight, self.config.rms_norm_eps)[0]
-
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # (S, vocab) in the model's dtype: the sampler reads it as float32 in registers, so a float32 copy
-        # would only be one more kernel and twice the bytes.
-        return self.ops.linear(hidden, self.lm_head.weight, out=out)
-
-
-def param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Weights: a checkpoint folder, or random weights for a preset
-
-
 def read_model_config(model: str) -> tuple[dict, str | None]:
     """(config dict, checkpoint folder or None for a preset)."""
     if model in PRESETS:
@@ -617,710 +1318,6 @@ def max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
         raise ValueError(f"max_model_len={n} exceeds the model's max_position_embeddings="
                          f"{mcfg.max_position_embeddings}")
     return n
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Sampling
-
-
-@dataclass
-class SamplingBatch:
-    temperature: torch.Tensor      # (S,) float32; 0 = greedy
-    top_k: torch.Tensor            # (S,) int64; vocab size when off
-    top_p: torch.Tensor            # (S,) float32
-    seeds: torch.Tensor            # (S,) int64
-    counters: torch.Tensor         # (S,) int64: index of the token being sampled
-    all_greedy: bool
-    need_filter: bool              # any top-k or top-p in the batch (a sort over the vocab)
-
-
-def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref) -> torch.Tensor:
-    """(S, vocab) logits -> (S,) int64 tokens, on the device, with no host sync. Top-k / top-p set the
-    dropped logits to -inf (a sort, only when some request asks for it); then `race` draws each row from
-    softmax(logits / T) by the exponential race, with noise that is a hash of (seed, token index,
-    vocabulary id): a request's tokens never depend on its batch. Temperature 0 rows take the argmax."""
-    if s.all_greedy:
-        return race(logits.contiguous(), s.temperature, s.seeds, s.counters, greedy=True)
-    if s.need_filter:
-        logits = logits.float()
-        scaled = logits / s.temperature.clamp(min=1e-5)[:, None]
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[-1], device=logits.device)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = (rank[None, :] >= s.top_k[:, None]) | (probs.cumsum(-1) - probs > s.top_p[:, None])
-        logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
-    return race(logits.contiguous(), s.temperature, s.seeds, s.counters)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The model runner: a step's Batch (InputBuilder), then its forward and sampling (ModelRunner)
-
-
-def aligned_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
-    """Where each of several arrays starts when packed into one buffer with every start 16-byte aligned,
-    and the total length. Triton compiles a kernel once per pointer alignment it sees: packed tightly, the
-    staged tensors' alignment would change with each step's sizes, and a run would stall on recompiles."""
-    align = max(1, STAGING_ALIGN_BYTES // itemsize)
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += -(-n // align) * align
-    return offsets, total
-
-
-class Staging:
-    """Host arrays -> device tensors in one copy per dtype. On CUDA the arrays are packed into pinned
-    buffers and copied without blocking; two buffers alternate so the host can fill one while the other's
-    copy may still be queued behind the step in flight (an event guards the reuse). On the CPU the
-    tensors are zero-copy views, kept while the same arrays come back (Part 2's steady rows do)."""
-
-    def __init__(self, device: torch.device, sizes: dict):
-        self.device, self.cuda, self.turn = device, device.type == "cuda", 0
-        self.buffers, self.events, self.last = [{}, {}], [None, None], ([], [])
-        if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
-            for buffers in self.buffers:
-                for dtype, n in sizes.items():
-                    n += STAGING_ALIGN_BYTES * 16  # alignment padding: under 16 bytes for each of <= 16 arrays
-                    buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
-
-    def to_device(self, *groups: list) -> list[list[torch.Tensor]]:
-        if not self.cuda:
-            arrays = [a for g in groups for a in g]
-            if len(arrays) != len(self.last[0]) or any(a is not b for a, b in zip(arrays, self.last[0])):
-                self.last = arrays, [[torch.from_numpy(np.ascontiguousarray(a)) for a in g] for g in groups]
-            return self.last[1]
-        self.turn ^= 1
-        if self.events[self.turn] is not None:
-            self.events[self.turn].synchronize()
-        result = [self._copy(g) for g in groups]
-        self.events[self.turn] = torch.cuda.Event()
-        self.events[self.turn].record()
-        return result
-
-    def _copy(self, arrays: list) -> list[torch.Tensor]:
-        dtype = arrays[0].dtype
-        offsets, total = aligned_offsets([a.size for a in arrays], dtype.itemsize)
-        buf = self.buffers[self.turn].get(dtype)
-        if buf is None or buf.numel() < total:
-            buf = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
-                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
-            self.buffers[self.turn][dtype] = buf
-        host = buf.numpy()
-        for a, o in zip(arrays, offsets):
-            host[o:o + a.size] = a.ravel()
-        dev = buf[:total].to(self.device, non_blocking=True)  # one copy; the allocator aligns its start
-        return [dev[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
-
-
-class InputBuilder:
-    """Turns a plan (SchedulerOutput) into the step's Batch and SamplingBatch on the device.
-
-    Per-request state lives in persistent rows (block-table row, sampling settings) that change only when
-    a request joins or gets a new block, so a step gathers rows instead of rebuilding them. Inputs still
-    on the device (async: PLACEHOLDERs) are copied from the last step's sampled tokens, never read back."""
-
-    def __init__(self, cfg: EngineConfig, vocab_size: int, max_blocks_per_seq: int):
-        self.block_size, self.vocab_size = cfg.block_size, vocab_size
-        self.device = torch.device(cfg.device)
-        rows = 2 * cfg.max_num_seqs  # live requests: running, or preempted and coming back
-        self.row_of: dict[Request, int] = {}
-        self.free_rows = list(range(rows - 1, -1, -1))
-        self.table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)  # block-table rows
-        self.row_nblocks = np.zeros(rows, dtype=np.int64)  # how many of its blocks are in self.table
-        self.temperature = np.zeros(rows, dtype=np.float32)
-        self.top_k = np.zeros(rows, dtype=np.int64)
-        self.top_p = np.zeros(rows, dtype=np.float32)
-        self.seed = np.zeros(rows, dtype=np.int64)
-        self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
-        T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
-        self.staging = Staging(self.device, {"int64": 6 * T + 5 * S, "int32": S + 1 + S * max_blocks_per_seq,
-                                             "float32": 2 * S})
-        # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
-        self.prev_tokens, self.prev_sampling, self._prev_rows = None, (), None
-
-    # -- persistent rows --------------------------------------------------------------------------------
-    def rows(self, out) -> np.ndarray:
-        """Each request's row, its block-table row brought up to date (only new blocks are copied)."""
-        reqs, row_of = out.requests, self.row_of
-        rows = [row_of.get(r) for r in reqs]
-        if None in rows:  # new requests, or preempted ones back (their row was released with their blocks)
-            rows = [self._new_row(r) if i is None else i for r, i in zip(reqs, rows)]
-        rows = np.array(rows, dtype=np.int64)
-        nblocks = np.array([len(r.block_ids) for r in reqs], dtype=np.int64)
-        for i in np.flatnonzero(nblocks != self.row_nblocks[rows]).tolist():
-            row, blocks, n0 = rows[i], reqs[i].block_ids, self.row_nblocks[rows[i]]
-            self.table[row, n0:len(blocks)] = blocks[n0:]
-            self.row_nblocks[row] = len(blocks)
-        return rows
-
-    def _new_row(self, req: Request) -> int:
-        if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
-            for r in [r for r in self.row_of if r.status != RUNNING]:
-                self.release(r)
-        row = self.free_rows.pop()
-        self.row_of[req] = row
-        self.row_nblocks[row] = 0
-        p = req.params
-        self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
-        top_k = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size  # -1, 0, >= vocab: no limit
-        self.top_k[row], self.filtered[row] = top_k, top_k < self.vocab_size or p.top_p < 1
-        return row
-
-    def release(self, req: Request):
-        row = self.row_of.pop(req, None)
-        if row is not None:
-            self.free_rows.append(row)
-
-    # -- one step's tensors -----------------------------------------------------------------------------
-    def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
-        """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
-        reqs, rows, starts = out.requests, self.rows(out), out.starts
-        if out.is_decode:  # one token per request, each at position start: all vectorised
-            ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
-            pos, seq_lens = starts, starts + 1
-            slots = self._slots(rows, pos)
-            qsl = np.arange(len(reqs) + 1, dtype=np.int32)
-            sampling, srows, logits_indices, max_query_len = reqs, rows, qsl[:-1].astype(np.int64), 1
-            counters = seq_lens
-        else:
-            ids, pos, slots, qsl, seq_lens, sample_mask = self._prepare_mixed(out, rows)
-            sampling = tuple(r for r, s in zip(reqs, out.samples) if s)
-            srows, logits_indices = rows[sample_mask], (qsl[1:] - 1)[sample_mask].astype(np.int64)
-            max_query_len, counters = int((qsl[1:] - qsl[:-1]).max()), seq_lens[sample_mask]
-        # Inputs sampled by the step in flight (async): their indices travel in the same pinned copy as the
-        # rest; a pageable copy would wait for that step to finish.
-        fills = np.flatnonzero(ids == PLACEHOLDER)
-        same_rows = out.is_decode and len(fills) == len(reqs) and reqs == self.prev_sampling
-        if len(fills) and not same_rows:
-            owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
-            src = np.array([self.prev_rows[reqs[b]] for b in owners.tolist()], dtype=np.int64)
-        else:
-            fills = src = np.zeros(0, dtype=np.int64)
-        temperature, max_seq_len = self.temperature[srows], int(seq_lens.max())
-        ints64, ints32, floats = self.staging.to_device(
-            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src, seq_lens],
-            [qsl, self._block_table(rows, max_seq_len)],
-            [temperature, self.top_p[srows]])
-        batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2], query_start_loc=ints32[0],
-                      seq_lens=ints64[9], block_table=ints32[1], logits_indices=ints64[3],
-                      max_query_len=max_query_len, max_seq_len=max_seq_len)
-        if same_rows:  # every input is the token the same row sampled last step
-            batch.input_ids.copy_(self.prev_tokens)
-        elif len(fills):
-            batch.input_ids[ints64[7]] = self.prev_tokens[ints64[8]]
-        sbatch = SamplingBatch(temperature=floats[0], top_k=ints64[6], top_p=floats[1], seeds=ints64[4],
-                               counters=ints64[5], all_greedy=not temperature.any(),
-                               need_filter=bool(self.filtered[srows].any()))
-        return batch, sbatch, sampling
-
-    def _prepare_mixed(self, out, rows):
-        """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
-        bs, ids, pos = self.block_size, [], []
-        for r, s, n in zip(out.requests, out.starts, out.num_tokens):
-            ids += r.token_ids[s:s + n]
-            pos.append(np.arange(s, s + n))
-        ns = np.array(out.num_tokens, dtype=np.int64)
-        pos = np.concatenate(pos)
-        slots = self.table[np.repeat(rows, ns), pos // bs].astype(np.int64) * bs + pos % bs
-        qsl = np.concatenate([[0], np.cumsum(ns)]).astype(np.int32)
-        return (np.array(ids, dtype=np.int64), pos, slots, qsl, out.starts + ns,
-                np.array(out.samples, dtype=bool))
-
-    def _slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """(n,) int64 KV slots of the tokens at these positions, one per row."""
-        return self.table[rows, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-
-    def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
-        """These rows of the block table, as many columns as the longest request needs (columns first,
-        then rows: numpy's mixed indexing, table[rows, :width], is several times slower)."""
-        return self.table[:, :-(-max_seq_len // self.block_size)][rows]
-
-    def sampled(self, out, tokens: torch.Tensor, sampling: tuple):
-        """The step's sampled tokens (S,) on the device, for the next step's PLACEHOLDER inputs."""
-        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
-
-    @property
-    def prev_rows(self) -> dict:
-        """Request -> its row in the previous step's token tensor (built only when a step needs it)."""
-        if self._prev_rows is None:
-            self._prev_rows = {r: i for i, r in enumerate(self.prev_sampling)}
-        return self._prev_rows
-
-
-class ModelRunner:
-    """Owns the KV cache and the graphs; runs a step's forward (graphed or eager) and its sampler."""
-
-    def __init__(self, model: Model, cfg: EngineConfig, num_blocks: int, max_len: int, inputs: InputBuilder):
-        mc = model.config
-        self.model, self.cfg, self.inputs, self.device = model, cfg, inputs, torch.device(cfg.device)
-        self.max_blocks_per_seq = -(-max_len // cfg.block_size)
-        # One extra block at the end: the scratch block. The block manager never hands it out; padding
-        # tokens (slot -1) write there, so they can never touch a real request's KV.
-        self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
-                                    mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
-        self.stats = StepStats(cuda=self.device.type == "cuda")
-        self.graphs = None
-        if not cfg.enforce_eager:
-            tokens = () if cfg.cudagraph_mode == "full_decode_only" else \
-                (cfg.graph_token_buckets or default_token_buckets(cfg.max_num_batched_tokens))
-            self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq, cfg.max_num_seqs,
-                                      cfg.graph_buckets or default_buckets(cfg.max_num_seqs), list(tokens),
-                                      capture=self.device.type == "cuda")
-
-    def close(self):
-        """Drop every tensor this runner holds: the KV cache, the graphs (and their memory pool), the
-        staging buffers, last step's tokens and the model (Engine.close)."""
-        self.kv_cache = self.graphs = self.model = self.inputs = None
-
-    def execute(self, out) -> torch.Tensor:
-        """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
-        batch, sbatch, sampling = self.inputs.prepare(out)
-        t0, start = time.perf_counter(), self.stats.start()
-        logits = self.graphs.run(batch) if self.graphs is not None else None
-        if logits is None:  # eager: the forward's activations are freed on return
-            logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
-        tokens = sample(logits, sbatch, self.model.ops.race_sample)
-        self.stats.end(start, prompt=not out.is_decode)
-        self.stats.forward_s += time.perf_counter() - t0
-        self.inputs.sampled(out, tokens, sampling)
-        return tokens
-
-
-class StepStats:
-    """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
-    (scheduling, batch building, bookkeeping). With `timing` on (benchmarks) each step's time is kept,
-    tagged by kind (with prompt tokens, or decode only): device time from a pair of CUDA events on CUDA,
-    the forward's wall time on the CPU (where it is synchronous). Off by default: no events are made."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.timing = cuda, False
-        self.reset()
-
-    def reset(self):
-        self.steps = self.tokens = 0
-        self.total_s = self.forward_s = self.wait_s = 0.0
-        self.events = []  # (start, end or None, has prompt tokens)
-
-    @property
-    def host_s(self) -> float:
-        return self.total_s - self.forward_s - self.wait_s
-
-    def start(self):
-        if not self.timing:
-            return None
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def end(self, start, prompt: bool):
-        if start is None:
-            return
-        if not self.cuda:
-            self.events.append((time.perf_counter() - start, None, prompt))
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.events.append((start, end, prompt))
-
-    def step_seconds(self) -> list[tuple[float, bool]]:
-        """(seconds, has prompt tokens) of each timed step."""
-        if self.cuda and self.events:
-            self.events[-1][1].synchronize()
-        return [(a.elapsed_time(b) / 1e3 if self.cuda else a, prompt) for a, b, prompt in self.events]
-
-    def gpu_seconds(self) -> float:
-        return sum(s for s, _ in self.step_seconds())
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The engine and the LLM front end
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]           # output tokens so far ("delta": only the new ones)
-    new_token_ids: list[int]       # the tokens this output adds to the last one
-    text: str | None
-    finished: bool
-    finish_reason: str | None      # "stop", "length" or "abort"; None while running
-    metrics: dict                  # arrival, first_scheduled, first_token, finished times; ttft, tpot (s)
-
-
-class Engine:
-    """add_request / abort / step / step_async / has_unfinished / stream, over a scheduler and a model runner."""
-
-    def __init__(self, cfg: EngineConfig | None = None, **settings):
-        cfg = cfg or EngineConfig(**settings)
-        if not isinstance(cfg, EngineConfig):
-            raise TypeError(f"cfg={cfg!r:.80} has type {type(cfg).__name__}: give an EngineConfig, or the "
-                            "settings as keywords (Engine(model=...))")
-        self.cfg, self.cuda = cfg, cfg.device.startswith("cuda")
-        self.model, folder = build_model(cfg)
-        self.tokenizer = load_tokenizer(folder)
-        mc = self.model.config
-        self.max_model_len = max_model_len(cfg, mc)
-        num_blocks = cfg.num_blocks or self._blocks_for_memory()
-        steady = "steady" in cfg.tuned  # Part 2: the steady-decode host path
-        blocks = BlockManager(num_blocks, cfg.block_size)
-        self.book = (SteadyBook if steady else RequestBook)(blocks, self.max_model_len, mc.eos_token_ids)
-        self.scheduler = (SteadyScheduler if steady else Scheduler)(self.book, cfg.max_num_seqs,
-                                                                   cfg.max_num_batched_tokens)
-        max_blocks = -(-self.max_model_len // cfg.block_size)
-        inputs = (SteadyInputBuilder if steady else InputBuilder)(cfg, mc.vocab_size, max_blocks)
-        # Finished, aborted or preempted requests give their rows back. The builder's bound method, not a
-        # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
-        self.book.on_release = inputs.release
-        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len, inputs)
-        self.rng = random.Random(cfg.seed)
-        self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
-        self.readback = None  # async on CUDA: two pinned token buffers, alternating
-        self._ids = 0
-
-    def _blocks_for_memory(self) -> int:
-        """On CUDA, as in vLLM: the KV cache takes gpu_memory_utilization of the GPU's memory less this
-        engine's weights, a step's activations (which bound the graphs' pool) and CUDA_SPARE_BYTES. That
-        depends on nothing else in the process, so an engine made after another was closed or dropped gets
-        as many blocks as the first. Only where less is free (another engine holds it) is it cut."""
-        mc = self.model.config
-        per_block = 2 * mc.num_layers * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * \
-            self.model.lm_head.weight.element_size()
-        if not self.cuda:
-            return max(16, CPU_KV_BYTES // per_block)
-        gc.collect()  # a dropped engine that another library's reference cycle still holds lets go now
-        torch.cuda.empty_cache()  # dropped engines and the unfused weights left memory in torch's cache
-        activations = self._activation_bytes()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        util, weights = self.cfg.gpu_memory_utilization, param_bytes(self.model)
-        budget = min(total * util - weights, free) - activations - CUDA_SPARE_BYTES
-        if budget < per_block:
-            raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV cache: {free / 2**30:.1f} "
-                             f"of {total / 2**30:.1f} GiB are free with the weights ({weights / 2**30:.1f} GiB) "
-                             "loaded; close() engines you no longer use, raise gpu_memory_utilization or use "
-                             "a smaller model")
-        return int(budget // per_block)
-
-    def _activation_bytes(self) -> int:
-        """The most memory a step takes beyond the weights, measured as vLLM does: one forward of a full
-        step (max_num_batched_tokens tokens) on a dummy two-block cache. The graphs' shared pool holds the
-        largest graph's activations, so this counts them too, plus the graphs' static logits buffer."""
-        mc, cfg = self.model.config, self.cfg
-        T = min(cfg.max_num_batched_tokens, self.max_model_len)
-        kv = torch.zeros(2, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                         dtype=self.model.lm_head.weight.dtype, device=cfg.device)
-        dev = torch.device(cfg.device)
-        batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
-                      positions=torch.arange(T, device=dev), slot_mapping=torch.full((T,), -1, device=dev),
-                      query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=dev),
-                      seq_lens=torch.tensor([T], device=dev),
-                      block_table=torch.zeros(1, -(-T // cfg.block_size), dtype=torch.int32, device=dev),
-                      logits_indices=torch.arange(min(T, cfg.max_num_seqs), device=dev), max_query_len=T,
-                      max_seq_len=T)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.inference_mode():
-            self.model.compute_logits(self.model(batch, kv)[batch.logits_indices])
-        torch.cuda.synchronize()
-        logits_buffer = cfg.max_num_seqs * mc.vocab_size * self.model.lm_head.weight.element_size()
-        return torch.cuda.max_memory_allocated() - base + logits_buffer
-
-    # -- requests ---------------------------------------------------------------------------------------
-    def tokenize(self, prompt) -> list[int]:
-        """A prompt as token ids: text through the model's tokenizer, or a list (tuple, numpy array, 1-D
-        tensor) of integer ids taken as they are. Anything else is a TypeError: an id is never rounded."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt is a string but model={self.cfg.model!r} has no tokenizer "
-                                 "(it needs tokenizer.json and the optional 'tokenizers' package); "
-                                 "pass token ids instead")
-            return self.tokenizer.encode(prompt).ids
-        if isinstance(prompt, (np.ndarray, torch.Tensor)):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise TypeError(f"prompt={prompt!r:.80} has type {type(prompt).__name__}: give a string or a list of "
-                            "token ids")
-        if not all(type(t) is int for t in prompt):  # one quick pass for the usual case; numpy ints pass too
-            bad = next((i for i, t in enumerate(prompt) if not is_int(t)), None)
-            if bad is not None:
-                raise TypeError(f"prompt[{bad}]={prompt[bad]!r:.80} has type {type(prompt[bad]).__name__}: token "
-                                "ids must be integers")
-        return [int(t) for t in prompt]
-
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Validate and queue one request; returns its id. Bad input raises ValueError (or TypeError, for
-        a wrong type) naming the argument, its value and what is allowed, and changes nothing."""
-        ids, params = self._check(prompt, params, request_id)
-        return self._add(ids, params, request_id)
-
-    def _check(self, prompt, params, request_id: str | None) -> tuple[list[int], SamplingParams]:
-        """The checks of add_request: (the prompt's ids, the params). Raises on bad input."""
-        self._check_open()
-        params = check_params("params", params)
-        check_type("request_id", request_id, "str", optional=True)
-        if request_id in self.book.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        ids = self.tokenize(prompt)
-        vocab, limit = self.model.config.vocab_size, self.max_model_len
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary: ids must be in [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
-        if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most "
-                             f"{limit - 1}")
-        capacity = self.book.blocks.num_blocks * self.cfg.block_size
-        need = min(len(ids) + params.max_tokens, limit)
-        if need > capacity:
-            raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_tokens "
-                             f"{params.max_tokens}) but the whole cache holds {capacity}; lower max_tokens "
-                             "or give the engine more num_blocks")
-        return ids, params
-
-    def _add(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request that _check has passed."""
-        if request_id is None:  # the next number that no request uses (a caller may have picked it as an id)
-            while str(self._ids) in self.book.requests:
-                self._ids += 1
-            request_id, self._ids = str(self._ids), self._ids + 1
-        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        self.book.add(Request(request_id, ids, params, seed))
-        return request_id
-
-    def abort(self, request_id: str):
-        """Stop a request and give its blocks back. The next step() or step_async() returns it, once, with
-        finish_reason "abort" and the tokens it had, as vLLM does. Safe at any time, also with a step in
-        flight (async): that step's token for it is dropped, as it was never read back. An unknown or
-        finished id is ignored."""
-        check_type("request_id", request_id, "str")
-        self._check_open()
-        req = self.book.requests.get(request_id)
-        if req is not None:
-            self.book.finish(req, "abort")
-
-    def has_unfinished(self) -> bool:
-        """Requests to run, a step in flight, or aborted requests not yet returned."""
-        self._check_open()
-        return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted)
-
-    # -- steps --------------------------------------------------------------------------------------------
-    @property
-    def stats(self) -> StepStats:
-        return self.runner.stats
-
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run, read the tokens back (one host sync), update. Returns an output for each request
-        that got a token (or finished) in this step, as its output_kind asks."""
-        self._check_open()
-        t0 = time.perf_counter()
-        report = self._land() if self.inflight else []  # switching from async: land its step first
-        out = self.scheduler.schedule()
-        if out.requests:
-            tokens = self.runner.execute(out)
-            t1 = time.perf_counter()
-            tokens = tokens.cpu().numpy()
-            self.stats.wait_s += time.perf_counter() - t1
-            report += self.book.update(out, tokens)
-        return self._outputs(out, report, t0)
-
-    def step_async(self) -> list[RequestOutput]:
-        """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
-        self._check_open()
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        launched = None
-        if out.requests:
-            tokens = self.runner.execute(out)
-            launched = (self.book.append_placeholders(out), *self._copy_to_host(tokens))
-        report = self._land() if self.inflight else []
-        self.inflight = launched
-        return self._outputs(out, report, t0)
-
-    def _outputs(self, out, report: list[Request], t0: float) -> list[RequestOutput]:
-        report += self.book.aborted
-        self.book.aborted = []
-        outputs = [self.output(r) for r in report]
-        st = self.stats
-        st.steps += bool(out.requests)
-        st.tokens += out.num_samples
-        st.total_s += time.perf_counter() - t0
-        return outputs
-
-    def _copy_to_host(self, tokens: torch.Tensor):
-        """Start the copy of a step's tokens into pinned memory; an event says when they have landed. Two
-        persistent buffers alternate (one step is in flight at most): allocating pinned memory per step
-        could synchronise the device, which is the one thing this path must not do."""
-        if not self.cuda:
-            return tokens, None
-        if self.readback is None:
-            self.readback = [torch.empty(self.cfg.max_num_seqs, dtype=torch.int64, pin_memory=True)
-                             for _ in range(2)]
-        self.readback.reverse()
-        host = self.readback[0][:tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def _land(self) -> list[Request]:
-        slots, host, event = self.inflight
-        self.inflight = None
-        t = time.perf_counter()
-        if event is not None:
-            event.synchronize()
-        tokens = host.numpy()
-        self.stats.wait_s += time.perf_counter() - t
-        return self.book.fill(slots, tokens)
-
-    def output(self, req: Request) -> RequestOutput:
-        ids = req.output_token_ids
-        new, req.num_reported = ids[req.num_reported:], len(ids)
-        finished = req.status == FINISHED
-        if req.params.output_kind == "final_only" and not finished:
-            raise AssertionError(f"{req.request_id} asked for its final output only")
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
-        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens],
-                             new if req.params.output_kind == "delta" else ids, new, text, finished,
-                             req.finish_reason, request_metrics(req))
-
-    def stream(self, prompt, params: SamplingParams | None = None):
-        """Add one request and yield its outputs as they arrive (output_kind "delta" unless given), while
-        stepping the engine, whose other requests go on too."""
-        params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
-                                                                  params.output_kind != "final_only" else "delta"))
-        rid = self.add_request(prompt, params)
-        step = self.step_async if self.cfg.async_scheduling else self.step
-        while True:
-            for o in step():
-                if o.request_id == rid:
-                    yield o
-                    if o.finished:
-                        return
-
-    # -- life cycle ---------------------------------------------------------------------------------------
-    def close(self):
-        """Give the engine's memory back now: KV cache, CUDA graphs and their memory pool, staging buffers
-        and weights, then torch's cache on CUDA. Using the engine afterwards raises ValueError; closing
-        twice does nothing. Dropping the last reference frees the same, short of emptying torch's cache
-        (the next engine does that before it sizes its KV cache)."""
-        if self.runner is None:
-            return
-        if self.cuda:
-            torch.cuda.synchronize()  # a step in flight still reads the cache and writes its tokens
-        self.runner.close()
-        self.runner = self.scheduler = self.book = self.model = self.tokenizer = None
-        self.inflight = self.readback = None
-        if self.cuda:
-            torch.cuda.empty_cache()
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-
-    def _check_open(self):
-        if self.runner is None:
-            raise ValueError("this engine is closed (close() gave its memory back); make a new LLM or Engine")
-
-
-def request_metrics(req: Request) -> dict:
-    """The request's times (time.perf_counter seconds) and what derives from them: time to first token, and
-    time per output token after the first."""
-    m = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
-             first_token_time=req.first_token_time, finished_time=req.finished_time, ttft=None, tpot=None)
-    if req.first_token_time is not None:
-        m["ttft"] = req.first_token_time - req.arrival_time
-        n = len(req.output_token_ids)
-        if req.finished_time is not None and n > 1:
-            m["tpot"] = (req.finished_time - req.first_token_time) / (n - 1)
-    return m
-
-
-def load_tokenizer(folder: str | None):
-    if folder is None or not os.path.exists(os.path.join(folder, "tokenizer.json")):
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # optional: without it, prompts must be token ids
-        return None
-    return Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-
-
-class LLM:
-    """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) -> outputs in input order."""
-
-    def __init__(self, model: str = "tiny", **settings):
-        self.engine = Engine(EngineConfig(model=model, **settings))
-
-    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
-        """prompts: one prompt (text, or a list of token ids) or a list of them; sampling_params: one
-        SamplingParams for all, a list with one per prompt, or None for the defaults. Every prompt is
-        checked before any is queued, so a bad one raises (naming it) and leaves the engine as it was."""
-        prompts = prompt_list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} "
-                                 "prompts; give one, or one per prompt")
-            params = [check_params(f"sampling_params[{i}]", p) for i, p in enumerate(sampling_params)]
-        else:
-            params = [check_params("sampling_params", sampling_params)] * len(prompts)
-        engine, checked = self.engine, []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                checked.append(engine._check(prompt, p, None))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"prompts[{i}]: {e}") from None
-        # one output per prompt, as vLLM's LLM asks for
-        ids = [engine._add(tokens, replace(p, output_kind="final_only")) for tokens, p in checked]
-        done = {}
-        step = engine.step_async if engine.cfg.async_scheduling else engine.step
-        while engine.has_unfinished():
-            for o in step():
-                done[o.request_id] = o
-        return [done[rid] for rid in ids]
-
-    def close(self):
-        """Engine.close: the KV cache, graphs and weights go now; generate then raises ValueError."""
-        self.engine.close()
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-
-
-def prompt_list(prompts) -> list:
-    """LLM.generate's prompts as a list of prompts: a single one (text, or token ids) becomes a list of one."""
-    if isinstance(prompts, (np.ndarray, torch.Tensor)):
-        prompts = prompts.tolist()
-    if isinstance(prompts, str):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts={prompts!r:.80} has type {type(prompts).__name__}: give a prompt (a string or a "
-                        "list of token ids) or a list of prompts")
-    if prompts and not isinstance(prompts[0], (str, list, tuple, np.ndarray, torch.Tensor)):
-        return [prompts]  # one prompt of ids (tokenize says if they are not all integers)
-    return list(prompts)
-
-
-def check_params(name: str, params) -> SamplingParams:
-    """A request's SamplingParams: None means the defaults; anything else is a TypeError."""
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"{name}={params!r:.80} has type {type(params).__name__}: give a SamplingParams, or None "
-                        "for the defaults")
-    return params
 
 
 # ----------------------------------------------------------------------------------------------------------

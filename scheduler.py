@@ -26,39 +26,6 @@ import numpy as np
 PLACEHOLDER = -1
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
-
-def is_int(x) -> bool:
-    """A Python or numpy integer, but not a bool: True is an int to Python, never a count or a token id."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-# What an argument may hold, for check_type: (the test, the words an error says it with)
-KINDS = {
-    "int": (is_int, "an integer"),
-    "number": (lambda x: is_int(x) or isinstance(x, (float, np.floating)), "a number"),
-    "bool": (lambda x: isinstance(x, (bool, np.bool_)), "True or False"),
-    "str": (lambda x: isinstance(x, str), "a string"),
-    "ints": (lambda x: isinstance(x, (list, tuple, set, frozenset, np.ndarray)) and all(map(is_int, x)),
-             "a list of integers"),
-}
-
-
-def check_type(name: str, value, kind: str, optional: bool = False):
-    """TypeError naming the argument, its value and what it may hold, unless value is of `kind` (a KINDS
-    key), or None where optional."""
-    test, words = KINDS[kind]
-    if not (test(value) or (optional and value is None)):
-        raise TypeError(f"{name}={value!r:.80} has type {type(value).__name__}: it must be {words}"
-                        + (" or None" if optional else ""))
-
-
-def require(ok: bool, name: str, value, allowed: str):
-    """ValueError naming the argument, its value and what is allowed, unless ok."""
-    if not ok:
-        raise ValueError(f"{name}={value!r:.80} is invalid: it must be {allowed}")
-
-
-SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
 # What a request's outputs carry, as vLLM's RequestOutputKind: every step its tokens so far, every step
 # only the new ones, or one output when it finishes (LLM.generate's choice).
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -539,6 +506,44 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.perf_counter()
         self.blocks.publish(req, start + n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks of user input, for SamplingParams here and for nanoengine's settings and requests
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer, but not a bool: True is an int to Python, never a count or a token id."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+# What an argument may hold, for check_type: (the test, the words an error says it with)
+KINDS = {
+    "int": (is_int, "an integer"),
+    "number": (lambda x: is_int(x) or isinstance(x, (float, np.floating)), "a number"),
+    "bool": (lambda x: isinstance(x, (bool, np.bool_)), "True or False"),
+    "str": (lambda x: isinstance(x, str), "a string"),
+    "ints": (lambda x: isinstance(x, (list, tuple, set, frozenset, np.ndarray)) and all(map(is_int, x)),
+             "a list of integers"),
+}
+
+
+def check_type(name: str, value, kind: str, optional: bool = False):
+    """TypeError naming the argument, its value and what it may hold, unless value is of `kind` (a KINDS
+    key), or None where optional."""
+    test, words = KINDS[kind]
+    if not (test(value) or (optional and value is None)):
+        raise TypeError(f"{name}={value!r:.80} has type {type(value).__name__}: it must be {words}"
+                        + (" or None" if optional else ""))
+
+
+def require(ok: bool, name: str, value, allowed: str):
+    """ValueError naming the argument, its value and what is allowed, unless ok."""
+    if not ok:
+        raise ValueError(f"{name}={value!r:.80} is invalid: it must be {allowed}")
+
+
+SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
 
 
 # ----------------------------------------------------------------------------------------------------------
