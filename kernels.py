@@ -961,6 +961,11 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     norm weight beside its own rows); otherwise add_rmsnorm, then linear. Unlike add_rmsnorm it does not
     overwrite `residual` (every program reads it while program 0 writes the sum): use the returned one."""
     _check_linear_args(x, weight, bias, gated)
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                         f"{tuple(residual.shape)} strides {tuple(residual.stride())} {residual.dtype}")
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm_weight must have shape ({x.shape[-1]},), got {tuple(norm_weight.shape)}")
     x2, n = x.reshape(-1, x.shape[-1]), weight.shape[0]
     blocks = linear_blocks(1, n, x.shape[-1], x.element_size(), gated) if x2.shape[0] == 1 and max_rows else None
     if blocks is None or blocks[1] < LINEAR_NORM_MIN_BLOCK_N:
