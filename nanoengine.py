@@ -1186,8 +1186,9 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             self.dtype = str(self.dtype).removeprefix("torch.")
         for f in fields(self):
-            annotated = [t for t in typing.get_args(f.type) or (f.type,) if t is not type(None)][0]
-            check_type(f.name, getattr(self, f.name), SETTING_KINDS[annotated], optional=f.default is None)
+            annotated = [t for t in typing.get_args(f.type) or (f.type,) if t is not type(None)]
+            if len(annotated) == 1:  # `tuned` may be several types: tuned_variants checks it
+                check_type(f.name, getattr(self, f.name), SETTING_KINDS[annotated[0]], optional=f.default is None)
 
     def _pick_device(self):
         if self.device is None:
@@ -1336,6 +1337,9 @@ TUNED = {
 
 def tuned_variants(tuned) -> frozenset:
     """True: every variant; False: none; "a,b": those; "-a,-b": all but those."""
+    if not isinstance(tuned, (bool, str, tuple, list, set, frozenset)):
+        raise TypeError(f"tuned={tuned!r:.80} has type {type(tuned).__name__}: it must be True, False, or variant "
+                        f"names (a string 'a,b' or a list) from {', '.join(TUNED)}")
     if tuned is True or tuned is False:
         return frozenset(TUNED) if tuned else frozenset()
     names = [n.strip() for n in tuned.split(",") if n.strip()] if isinstance(tuned, str) else list(tuned)
