@@ -3244,23 +3244,30 @@ def test_kernel_add_rmsnorm_linear_bad_input():
     x, w, g = _randn(2, 64, seed=59), _randn(8, 64, seed=60), torch.ones(64, device=DEVICE)
     with pytest.raises(ValueError, match="residual must be contiguous"):
         kernels.add_rmsnorm_linear(x, _randn(3, 64, seed=61), g, 1e-6, w)
-    with pytest.raises(ValueError, match=r"weight shape \(64,\)"):
+    with pytest.raises(ValueError, match="residual must be contiguous .* dtype torch.float32, got .* torch.float64"):
+        kernels.add_rmsnorm_linear(x, x.double(), g, 1e-6, w)
+    with pytest.raises(ValueError, match=r"shape \(64,\)"):
         kernels.add_rmsnorm_linear(x, None, torch.ones(32, device=DEVICE), 1e-6, w)
     with pytest.raises(ValueError, match="contiguous weight"):
         kernels.add_rmsnorm_linear(x, None, g, 1e-6, w.t().contiguous().t())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug (kernels.py add_rmsnorm_linear): on its one-launch path (one row, tiles of at least "
-    "LINEAR_NORM_MIN_BLOCK_N weight rows) neither residual nor norm_weight is checked, so one shorter than K is "
-    "read past its end; the two-launch path refuses both (add_rmsnorm's checks). Remove this mark once both check"))
 def test_kernel_add_rmsnorm_linear_checks_its_inputs_on_the_one_launch_path(monkeypatch):
+    """The one-launch path (one row, tiles of at least LINEAR_NORM_MIN_BLOCK_N weight rows) refuses what the
+    two-launch path refuses (add_rmsnorm's checks): a residual or norm weight shorter than K would be read
+    past its end, a residual of another dtype read as if it were x's."""
     monkeypatch.setattr(kernels, "LINEAR_NORM_MIN_BLOCK_N", 1)  # 64 weight rows, one a program: one launch
     x, w, g = _randn(1, 64, seed=66), _randn(64, 64, seed=67), torch.ones(64, device=DEVICE)
-    with pytest.raises(ValueError, match=r"weight shape \(64,\)"):
+    launches = spy(monkeypatch, "_linear_kernel").launches
+    with pytest.raises(ValueError, match=r"shape \(64,\)"):
         kernels.add_rmsnorm_linear(x, None, torch.ones(32, device=DEVICE), 1e-6, w)
     with pytest.raises(ValueError, match="residual must be contiguous"):
         kernels.add_rmsnorm_linear(x, _randn(1, 32, seed=68), g, 1e-6, w)
+    with pytest.raises(ValueError, match="residual must be contiguous .* dtype torch.float32, got .* torch.float64"):
+        kernels.add_rmsnorm_linear(x, _randn(1, 64, seed=68).double(), g, 1e-6, w)
+    assert not launches
+    kernels.add_rmsnorm_linear(x, _randn(1, 64, seed=68), g, 1e-6, w)
+    assert [launch.NORM for launch in launches] == [True], "the inputs above were refused on the one-launch path"
 
 
 def test_kernel_linear_default_blocks_small_n():
