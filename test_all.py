@@ -177,15 +177,6 @@ def LLM(model="tiny", **kw):
     return nanoengine.LLM(model, **{"device": "cpu", **kw})
 
 
-def tuned_engine(tuned, **settings) -> nanoengine.Engine:
-    """An engine with the Part 2 variants `tuned` names, in tuned_variants' syntax ("a,b" or "-a,-b").
-    EngineConfig(tuned="a,b") should take them; today it refuses any name (test_engine_config_takes_tuned_names),
-    so the names are set after its checks."""
-    cfg = nanoengine.EngineConfig(**{"device": "cpu", **settings})
-    cfg.tuned = nanoengine.tuned_variants(tuned) if cfg.fuse else frozenset()
-    return nanoengine.Engine(cfg)
-
-
 GPU = dict(device="cuda", num_blocks=2048)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
@@ -1989,8 +1980,7 @@ def test_textbook_and_tuned_paths_match_the_reference(preset_references, preset,
     (each variant's CPU stand-in is its torch reference, so this checks the tuned forward's structure)."""
     prompts, want = preset_references[preset]
     for tuned in TUNED_SETTINGS:
-        engine = tuned_engine(",".join(sorted(tuned)) if isinstance(tuned, frozenset) else tuned, model=preset,
-                              max_num_batched_tokens=24, async_scheduling=use_async)
+        engine = Engine(model=preset, tuned=tuned, max_num_batched_tokens=24, async_scheduling=use_async)
         v, ops = engine.cfg.tuned, engine.model.ops
         assert v == (tuned if isinstance(tuned, frozenset) else frozenset(nanoengine.TUNED) if tuned else frozenset())
         assert (ops.add_rmsnorm_linear is None) == ("gemv" not in v)
@@ -2430,7 +2420,10 @@ BAD_INPUT = [
     ("model None", lambda s: LLM(None), TypeError, "model=None has type NoneType: it must be a string"),
     ("model missing", lambda s: LLM("/no/such/folder"), ValueError, "neither a folder nor a preset"),
     ("fuse a string", lambda s: EngineConfig(fuse="yes"), TypeError, "fuse='yes' has type str: it must be True"),
-    ("tuned an int", lambda s: EngineConfig(tuned=3), TypeError, "tuned=3"),
+    ("tuned an int", lambda s: EngineConfig(tuned=3), TypeError, "tuned=3 has type int: it must be True, False, or"),
+    ("tuned an unknown variant", lambda s: EngineConfig(tuned="fast"), ValueError,
+     "tuned='fast' is invalid: give True, False, or names from gemv"),
+    ("tuned both ways", lambda s: EngineConfig(tuned="gemv,-pdl"), ValueError, "tuned='gemv,-pdl' is invalid"),
     ("async_scheduling 1", lambda s: EngineConfig(async_scheduling=1), TypeError, "async_scheduling=1 has type int"),
     ("triton_linear_rows 257", lambda s: EngineConfig(triton_linear_rows=257), ValueError,
      "triton_linear_rows=257 is invalid: it must be None or in [0, 256]"),
@@ -2860,11 +2853,9 @@ def test_tuned_variants_parse_names():
             nanoengine.tuned_variants(bad)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug (nanoengine.py EngineConfig._check_types): a union annotation is checked against its first "
-    "type only, so tuned (bool | str | tuple) refuses every name with a TypeError ('must be True or False'), "
-    "and `run.py --tuned gemv` fails. Remove this mark once names pass"))
 def test_engine_config_takes_tuned_names():
+    """EngineConfig(tuned=...) and run.py's --tuned take the names (the type check leaves the field to
+    tuned_variants, which names it when its type is wrong)."""
     assert nanoengine.EngineConfig(device="cpu", tuned="-pdl").tuned == frozenset(nanoengine.TUNED) - {"pdl"}
     assert nanoengine.EngineConfig(device="cpu", tuned=("gemv",)).tuned == {"gemv"}
     assert nanoengine.EngineConfig(device="cpu", fuse=False, tuned="gemv").tuned == frozenset(), "unfused: none"
@@ -3893,7 +3884,7 @@ def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_asy
             kw["stop_token_ids"] = [o.token_ids[len(o.token_ids) // 2]]
     params = [SamplingParams(**kw) for kw in raw]
     settings = dict(model="tiny", num_blocks=num_blocks, max_num_seqs=4 if seed in (1, 3, 5) else 256)
-    engines = [Engine(**settings), tuned_engine("-steady", **settings)]
+    engines = [Engine(**settings), Engine(tuned="-steady", **settings)]
     assert isinstance(engines[0].book, scheduler.SteadyBook) and type(engines[1].book) is scheduler.RequestBook
     fast_plans, logs, condensed = [], [[], []], []
     steady_step, condense = engines[0].scheduler._steady_step, engines[0].runner.inputs._condense
@@ -3958,7 +3949,7 @@ def test_a_steady_decode_builds_its_rows_once(use_async):
     """The step that forms a steady decode builds its DecodeRows (_prepare_formed), with its inputs from
     the requests' last tokens, or in flight (async); every later step of the set only advances those rows,
     across block boundaries too. The tokens are those of an engine without the steady variant."""
-    engines = [Engine(model="tiny"), tuned_engine("-steady", model="tiny")]
+    engines = [Engine(model="tiny"), Engine(model="tiny", tuned="-steady")]
     inputs, built = engines[0].runner.inputs, []
     decode_rows = inputs._decode_rows  # is its plan one step on from the last (its set formed before)?
     inputs._decode_rows = lambda out: built.append(out.requests is inputs.prev_sampling) or decode_rows(out)
