@@ -123,8 +123,7 @@ class Attention(nn.Module):
         T, H, Hkv, D = qkv.shape[0], self.H, self.Hkv, self.D
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)  # strided views, no copy
-        qn = self.q_norm.weight if hasattr(self, "q_norm") else None
-        kn = self.k_norm.weight if hasattr(self, "k_norm") else None
+        qn, kn = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
         if ops.decode_attention and batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
             # Part 2 (kernels 2.3): a decode batch's RoPE, KV write and attention in one launch
             o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, batch.seq_lens,
@@ -166,8 +165,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
     def fuse(self):
         """Stack the experts so one grouped-GEMM kernel can reach any of them by index."""
@@ -427,11 +425,10 @@ class InputBuilder:
         reqs, rows, starts = out.requests, self.rows(out), out.starts
         if out.is_decode:  # one token per request, each at position start: all vectorised
             ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
-            pos, seq_lens = starts, starts + 1
-            slots = self._slots(rows, pos)
+            pos, seq_lens, slots = starts, starts + 1, self._slots(rows, starts)
             qsl = np.arange(len(reqs) + 1, dtype=np.int32)
             sampling, srows, logits_indices, max_query_len = reqs, rows, qsl[:-1].astype(np.int64), 1
-            counters = seq_lens
+            counters = seq_lens  # the sampled token's index
         else:
             ids, pos, slots, qsl, seq_lens, sample_mask = self._prepare_mixed(out, rows)
             sampling = tuple(r for r, s in zip(reqs, out.samples) if s)
@@ -465,19 +462,17 @@ class InputBuilder:
 
     def _prepare_mixed(self, out, rows):
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
-        bs, ids, pos = self.block_size, [], []
+        ids, pos = [], []
         for r, s, n in zip(out.requests, out.starts, out.num_tokens):
             ids += r.token_ids[s:s + n]
             pos.append(np.arange(s, s + n))
-        ns = np.array(out.num_tokens, dtype=np.int64)
-        pos = np.concatenate(pos)
-        slots = self.table[np.repeat(rows, ns), pos // bs].astype(np.int64) * bs + pos % bs
+        ns, pos = np.array(out.num_tokens, dtype=np.int64), np.concatenate(pos)
+        slots = self._slots(np.repeat(rows, ns), pos)  # each token's request row
         qsl = np.concatenate([[0], np.cumsum(ns)]).astype(np.int32)
-        return (np.array(ids, dtype=np.int64), pos, slots, qsl, out.starts + ns,
-                np.array(out.samples, dtype=bool))
+        return np.array(ids, dtype=np.int64), pos, slots, qsl, out.starts + ns, np.array(out.samples, dtype=bool)
 
     def _slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """(n,) int64 KV slots of the tokens at these positions, one per row."""
+        """(n,) int64 KV slots of the tokens at positions pos of the requests in rows."""
         return self.table[rows, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
 
     def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
@@ -525,7 +520,7 @@ class ModelRunner:
     def execute(self, out) -> torch.Tensor:
         """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
         batch, sbatch, sampling = self.inputs.prepare(out)
-        t0, start = time.perf_counter(), self.stats.start()
+        t0, start = time.perf_counter(), self.stats.now()
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:  # eager: the forward's activations are freed on return
             logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
@@ -549,13 +544,14 @@ class StepStats:
     def reset(self):
         self.steps = self.tokens = 0
         self.total_s = self.forward_s = self.wait_s = 0.0
-        self.events = []  # (start, end or None, has prompt tokens)
+        self.events = []  # (start, end, has prompt tokens): CUDA events, or perf_counter times
 
     @property
     def host_s(self) -> float:
         return self.total_s - self.forward_s - self.wait_s
 
-    def start(self):
+    def now(self):
+        """A recorded CUDA event on CUDA, the time on the CPU; None while timing is off."""
         if not self.timing:
             return None
         if not self.cuda:
@@ -565,20 +561,14 @@ class StepStats:
         return event
 
     def end(self, start, prompt: bool):
-        if start is None:
-            return
-        if not self.cuda:
-            self.events.append((time.perf_counter() - start, None, prompt))
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.events.append((start, end, prompt))
+        if start is not None:
+            self.events.append((start, self.now(), prompt))
 
     def step_seconds(self) -> list[tuple[float, bool]]:
         """(seconds, has prompt tokens) of each timed step."""
         if self.cuda and self.events:
             self.events[-1][1].synchronize()
-        return [(a.elapsed_time(b) / 1e3 if self.cuda else a, prompt) for a, b, prompt in self.events]
+        return [(a.elapsed_time(b) / 1e3 if self.cuda else b - a, prompt) for a, b, prompt in self.events]
 
     def gpu_seconds(self) -> float:
         return sum(s for s, _ in self.step_seconds())
@@ -702,8 +692,7 @@ class Engine:
         if not self.cuda:
             return tokens, None
         if self.readback is None:
-            self.readback = [torch.empty(self.cfg.max_num_seqs, dtype=torch.int64, pin_memory=True)
-                             for _ in range(2)]
+            self.readback = [torch.empty(self.cfg.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.readback.reverse()
         host = self.readback[0][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
@@ -1015,10 +1004,8 @@ PRESETS = {
 }
 
 
-# config.json fields that transformers 5.x writes under another name: {4.x name: 5.x name}. From 5.x's
-# configuration_llama.py, _qwen2.py, _qwen3.py and _qwen3_moe.py (whose attribute_map stores num_experts
-# as num_local_experts) and configuration_utils.py. 5.x also moved rope_theta and rope_scaling into one
-# rope_parameters dict, and renamed torch_dtype to dtype, which nanoengine does not read.
+# config.json fields that transformers 5.x writes under another name: {4.x name: 5.x name} (Qwen3-MoE's
+# attribute_map). 5.x also moved rope_theta and rope_scaling into one rope_parameters dict.
 V5_NAMES = {"num_experts": "num_local_experts"}
 
 
@@ -1173,7 +1160,8 @@ class EngineConfig:
         self.tuned = tuned_variants(self.tuned) if self.fuse else frozenset()
         for name in ("triton_linear_rows", "triton_narrow_rows"):
             rows = getattr(self, name)
-            require(rows is None or 0 <= rows <= kernels.LINEAR_MAX_M, name, rows, f"None or in [0, {kernels.LINEAR_MAX_M}]")
+            limit = kernels.LINEAR_MAX_M
+            require(rows is None or 0 <= rows <= limit, name, rows, f"None or in [0, {limit}]")
         if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
             self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
 
