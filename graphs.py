@@ -4,8 +4,7 @@ A decode step of a small model is hundreds of tiny kernels; launching them one b
 more than running them. A CUDA graph records the launches once and replays them with one call. A graph
 replays fixed addresses and fixed grids, so:
 - every input lives in a static buffer sized for the largest bucket, and a step copies its values in;
-- a step replays the smallest bucket that holds it: a decode step (one token per request) by its number
-  of requests, a step with prompt tokens by its number of tokens;
+- a step replays the smallest bucket that holds it: a decode step by its requests, else by its tokens;
 - the padding fills the bucket with tokens that cannot touch a real request: token 0 at position 0, slot
   -1 (its KV goes to the scratch block, which the block manager never hands out), owned by padding
   requests of seq_len 0 (attention reads no KV for them and returns zeros);
@@ -19,8 +18,7 @@ replays fixed addresses and fixed grids, so:
 These are vLLM's "full" CUDA graphs (cudagraph_mode FULL): the whole forward, attention included, which
 works because paged attention reads every length from device buffers and sizes its grid from the bucket.
 On the CPU there are no graphs: the same static-buffer path runs eagerly, so CI tests its logic.
-Imports: scheduler's Batch (the type the model reads).
-"""
+Imports: scheduler's Batch (the type the model reads)."""
 import gc
 import time
 
