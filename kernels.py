@@ -255,9 +255,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     t, h, d = q.shape
     hkv = k.shape[1]
     if k.shape != (t, hkv, d) or v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or d % 2:
-        raise ValueError(f"expected q [T, H, D], k and v [T, Hkv, D], caches [blocks, block_size, Hkv, D] "
-                         f"with an even D, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
-                         f"{tuple(k_cache.shape)}")
+        raise ValueError(f"expected q [T, H, D], k and v [T, Hkv, D], caches [blocks, block_size, Hkv, D], D even; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(k_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
         raise ValueError("k_cache, v_cache and cos_sin must be contiguous")
     if t == 0:
@@ -273,8 +272,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 
 def rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm=None, k_norm=None,
                       eps=1e-6) -> None:
-    cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    cos, sin = cos_sin[positions.long(), None].chunk(2, dim=-1)  # [T, 1, D/2] each: broadcast over heads
 
     def rope(x, norm):  # [T, heads, D] -> rotated, float32
         x = x.float() if norm is None else rmsnorm_ref(x.float(), norm, eps)
@@ -542,12 +540,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if num_assignments > 32768:  # one program walks them all: past this, torch's parallel sort is faster
         return moe_align_ref(topk_ids, num_experts, block_m)
     max_padded = moe_max_padded(num_assignments, num_experts, block_m)
-    device, experts_pad = topk_ids.device, triton.next_power_of_2(num_experts)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    cursor = torch.empty(experts_pad, dtype=torch.int32, device=device)
-    num_blocks = max_padded // block_m
+    num_blocks, experts_pad = max_padded // block_m, triton.next_power_of_2(num_experts)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    cursor = torch.empty(experts_pad, dtype=torch.int32, device=topk_ids.device)
     _moe_align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, cursor, num_assignments, max_padded,
         NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
@@ -932,7 +929,8 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     weight rows (each program re-reads x, the residual and the norm weight); else add_rmsnorm, then linear.
     Unlike add_rmsnorm it leaves `residual` as it was (every program reads it while program 0 writes the sum)."""
     _check_linear_args(x, weight, bias, gated)
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != x.dtype):
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
         raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
                          f"{tuple(residual.shape)} strides {tuple(residual.stride())} {residual.dtype}")
     if norm_weight.shape != (x.shape[-1],):
@@ -951,14 +949,14 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
 def linear_ref(x, weight, bias=None, gated: bool = False) -> torch.Tensor:
     """F.linear in float32, rounded once at the end as the kernel does; gated, then silu_and_mul_ref."""
     y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return silu_and_mul_ref(y.reshape(-1, y.shape[-1])).view(*y.shape[:-1], -1) if gated else y
+    return silu_and_mul_ref(y) if gated else y
 
 
 def add_rmsnorm_linear_ref(x, residual, norm_weight, eps, weight, bias=None, gated=False):
     """The steps it fuses: add_rmsnorm_ref, F.linear, and if gated silu_and_mul_ref."""
     h, residual = add_rmsnorm_ref(x, residual, norm_weight, eps)
     y = torch.nn.functional.linear(h, weight, bias)
-    return (silu_and_mul_ref(y.reshape(-1, y.shape[-1])).view(*y.shape[:-1], -1) if gated else y), residual
+    return (silu_and_mul_ref(y) if gated else y), residual
 
 
 # -- 2.3 decode_attention: rope_write_kv + paged_attention at decode in one launch, split-KV, packed kv heads --
@@ -1083,9 +1081,7 @@ def _decode_attention_kernel(
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
-        splits_used = 1
-        tile_lo = 0
-        tile_hi = num_tiles
+        splits_used, tile_lo, tile_hi = 1, 0, num_tiles
     # Column c of a key tile is key c >> PACK_SHIFT in packed kv head c & (2^PACK_SHIFT - 1): a key's kv
     # heads sit side by side in the cache, so a packed tile reads runs of 2^PACK_SHIFT * D elements.
     cols = tl.arange(0, BLOCK_N)
@@ -1131,16 +1127,14 @@ def _decode_attention_kernel(
                 m, l, acc = _merge_splits(first, first + members, 1, row, row_ok, rows_per_split, part_out_ptr,
                                           part_ml_ptr, BLOCK_M, HEAD_DIM)
                 if groups > 1:  # the group's merge, to its first slot, for the last group to read
-                    _store_partial(m, l, acc, first, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr,
-                                   HEAD_DIM)
+                    _store_partial(m, l, acc, first, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
             if groups > 1:
                 if not _last_to_finish(tickets_ptr + group_id, groups):
                     return
                 m, l, acc = _merge_splits(0, splits_used, MERGE_FAN_IN, row, row_ok, rows_per_split,
                                           part_out_ptr, part_ml_ptr, BLOCK_M, HEAD_DIM)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that saw no key stays 0
-    tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -1216,8 +1210,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     min_split_tiles = triton.cdiv(ATTN_MIN_SPLIT_TOKENS, block_n)
     if num_splits is None:  # as many as fill ATTN_PROGRAMS_PER_SM a SM, and the longest context can use
         max_splits = triton.cdiv(block_table.shape[1] * block_size, block_n * min_split_tiles)
-        num_splits = max(1, min(ATTN_PROGRAMS_PER_SM * _sm_count(q.device) // (b * hkv), max_splits,
-                                ATTN_MAX_SPLITS))
+        num_splits = max(1, min(ATTN_PROGRAMS_PER_SM * _sm_count(q.device) // (b * hkv), max_splits, ATTN_MAX_SPLITS))
     if b * hkv * (1 + triton.cdiv(num_splits, ATTN_MERGE_FAN_IN)) > MAX_TICKETS:
         num_splits = 1  # a grid this big fills the GPU without splitting
     if num_splits > 1:
@@ -1244,9 +1237,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * 1.4426950408889634,
         NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, PACK_SHIFT=heads.bit_length() - 1, SPLIT=num_splits > 1, MIN_SPLIT_TILES=min_split_tiles,
-        MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
-        ROPE=fused, HAS_NORM=has_norm and fused, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4, num_stages=stages, **_launch_options(pdl))
+        MERGE_FAN_IN=ATTN_MERGE_FAN_IN, ROPE=fused, HAS_NORM=has_norm and fused, num_warps=8 if block_m >= 128 else 4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=stages, **_launch_options(pdl))
     return out
 
 
@@ -1332,8 +1324,7 @@ def _moe_decode_down_kernel(
         w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * h[None, :]
-    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
-             mask=col_ok)
+    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int, tiles: int) -> tuple[int, int, int]:
@@ -1396,8 +1387,7 @@ def _moe_route_kernel(
     _wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)  # one program per token: k rounds of max over E values
     experts = tl.arange(0, EXPERTS_PAD)
-    x = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS,
-                other=-float("inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)  # softmax; padding lanes are 0
     ks = tl.arange(0, K_PAD)
