@@ -2,20 +2,20 @@
 
 Map (Part 1 is the chapter; Part 2 the decode-speed variants the tuned path swaps in):
 
-| kernel            | what it does in one launch                              | called by (nanoengine.py)   | reference            |
-|-------------------|---------------------------------------------------------|-----------------------------|----------------------|
-| 1.1 add_rmsnorm   | residual += x, then RMSNorm                             | DecoderLayer, Model         | add_rmsnorm_ref      |
-| 1.2 silu_and_mul  | silu(gate) * up                                         | DecoderLayer, fused_moe     | silu_and_mul_ref     |
-| 1.3 rope_write_kv | per-head RMSNorm, RoPE, and the KV-cache write          | Attention                   | rope_write_kv_ref    |
-| 1.4 paged_attention | causal attention over the paged cache, any batch      | Attention                   | paged_attention_ref  |
-| 1.5 moe_align     | (token, expert) pairs grouped by expert, on the device  | fused_moe                   | moe_align_ref        |
-| 1.6 fused_moe     | every expert's MLP as one grouped GEMM per projection   | MoE                         | fused_moe_ref        |
-| 2.1 pdl           | the next kernel waits on the SMs while this one runs    | every kernel, pdl=True      | (changes no result)  |
-| 2.2 linear        | matmul for few rows; + add_rmsnorm before, silu after   | tuned_ops: linear, MLP      | linear_ref, add_rmsnorm_linear_ref |
-| 2.3 decode_attention | rope_write_kv + paged_attention at decode, split-KV, packed heads | tuned_ops: Attention | decode_attention_ref |
-| 2.4 fused_moe_decode | fused_moe for <= 4 tokens as two GEMVs               | tuned_ops: MoE              | fused_moe_ref        |
-| 2.5 moe_route     | softmax, top-k, renormalise                             | tuned_ops: MoE              | moe_route_ref        |
-| 2.6 race_sample   | sampling in one pass over the logits                    | tuned_ops: sample           | race_sample_ref      |
+| kernel               | what it does in one launch                                        | called by (nanoengine.py) |
+|----------------------|-------------------------------------------------------------------|---------------------------|
+| 1.1 add_rmsnorm      | residual += x, then RMSNorm                                       | DecoderLayer, Model       |
+| 1.2 silu_and_mul     | silu(gate) * up                                                   | DecoderLayer, fused_moe   |
+| 1.3 rope_write_kv    | per-head RMSNorm, RoPE, and the KV-cache write                    | Attention                 |
+| 1.4 paged_attention  | causal attention over the paged cache, any batch                  | Attention                 |
+| 1.5 moe_align        | (token, expert) pairs grouped by expert, on the device            | fused_moe                 |
+| 1.6 fused_moe        | every expert's MLP as one grouped GEMM per projection             | MoE                       |
+| 2.1 pdl              | the next kernel waits on the SMs while this one runs              | every kernel, pdl=True    |
+| 2.2 linear           | matmul for few rows; + add_rmsnorm before, silu after             | tuned_ops: linear, MLP    |
+| 2.3 decode_attention | rope_write_kv + paged_attention at decode, split-KV, packed heads | tuned_ops: Attention      |
+| 2.4 fused_moe_decode | fused_moe for a few tokens as two GEMVs                           | tuned_ops: MoE            |
+| 2.5 moe_route        | softmax, top-k, renormalise                                       | tuned_ops: MoE            |
+| 2.6 race_sample      | sampling in one pass over the logits                              | tuned_ops: sample         |
 
 Every kernel is three pieces with the same arguments: `_name_kernel` (the Triton program), `name()` (the
 launcher: checks inputs, picks block sizes from host-side sizes only, launches) and `name_ref()` (plain
@@ -38,9 +38,8 @@ import triton.language as tl
 # ==========================================================================================================
 # Part 1: the chapter's kernels
 # ==========================================================================================================
-# Each section below (from its "# -- 1.n" line to the next) is a unit you can copy into your own project:
-# with the imports at the top of this file (torch, triton, triton.language as tl) and this header's
-# _wait_for_inputs, it runs. test_all.py proves it: it runs each section in a fresh namespace.
+# Each "# -- 1.n" section is a unit you can copy: with torch, triton, triton.language as tl and this header,
+# it runs (test_all.py runs each in a fresh namespace, after the sections its title says it needs).
 
 
 @triton.jit
@@ -57,8 +56,6 @@ def _launch_options(pdl: bool) -> dict:
 
 
 # -- 1.1 add_rmsnorm: the pre-norm residual stream, residual += x, then RMSNorm, in one pass --------------
-
-
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr,  # [N, D] the layer's output, row stride stride_x
@@ -82,8 +79,7 @@ def _add_rmsnorm_kernel(
     s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + rows[:, None] * dim + cols[None, :]
-        # Rounded to the residual's dtype before the norm: the next layer reads the rounded sum, so the
-        # norm must see the same numbers.
+        # Rounded to the residual's dtype first: the next layer reads the rounded sum, so the norm must too.
         s = (s.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(s.dtype)
         tl.store(r_ptrs, s, mask=mask)
     s = s.to(tl.float32)
@@ -134,8 +130,6 @@ def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
 
 
 # -- 1.2 silu_and_mul: the gated MLP's activation, silu(gate) * up --------------------------------------
-
-
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [N, 2I] gate | up, as the fused gate_up matmul stores them; row stride stride_x
@@ -174,8 +168,6 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- 1.3 rope_write_kv: per-head RMSNorm (Qwen3), rotary embedding, and the KV-cache write ---------------
-
-
 @triton.jit
 def _rope_heads(
     x_ptr,  # this token's first head
@@ -263,9 +255,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     t, h, d = q.shape
     hkv = k.shape[1]
     if k.shape != (t, hkv, d) or v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or d % 2:
-        raise ValueError(f"expected q [T, H, D], k and v [T, Hkv, D], caches [blocks, block_size, Hkv, D] "
-                         f"with an even D, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
-                         f"{tuple(k_cache.shape)}")
+        raise ValueError(f"expected q [T, H, D], k and v [T, Hkv, D], caches [blocks, block_size, Hkv, D], D even; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(k_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
         raise ValueError("k_cache, v_cache and cos_sin must be contiguous")
     if t == 0:
@@ -281,8 +272,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 
 def rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm=None, k_norm=None,
                       eps=1e-6) -> None:
-    cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    cos, sin = cos_sin[positions.long(), None].chunk(2, dim=-1)  # [T, 1, D/2] each: broadcast over heads
 
     def rope(x, norm):  # [T, heads, D] -> rotated, float32
         x = x.float() if norm is None else rmsnorm_ref(x.float(), norm, eps)
@@ -296,8 +286,6 @@ def rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_si
 
 
 # -- 1.4 paged_attention: causal attention of each request's new tokens over its paged KV cache ---------
-
-
 @triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D] strided view: this step's queries (prompt chunks and decodes alike)
@@ -480,8 +468,6 @@ def _attend_chunks(q, k_cache, v_cache, block_table, seq_lens, pos, scale) -> to
 
 
 # -- 1.5 moe_align: group a MoE layer's (token, expert) assignments by expert, without the host ----------
-
-
 def moe_max_padded(num_assignments: int, num_experts: int, block_m: int) -> int:
     """Length of sorted_ids: a bound on the padded total that depends on sizes only. Each expert with
     tokens wastes at most block_m - 1 padding slots, and at most min(assignments, experts) have tokens:
@@ -554,12 +540,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if num_assignments > 32768:  # one program walks them all: past this, torch's parallel sort is faster
         return moe_align_ref(topk_ids, num_experts, block_m)
     max_padded = moe_max_padded(num_assignments, num_experts, block_m)
-    device, experts_pad = topk_ids.device, triton.next_power_of_2(num_experts)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    cursor = torch.empty(experts_pad, dtype=torch.int32, device=device)
-    num_blocks = max_padded // block_m
+    num_blocks, experts_pad = max_padded // block_m, triton.next_power_of_2(num_experts)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    cursor = torch.empty(experts_pad, dtype=torch.int32, device=topk_ids.device)
     _moe_align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, cursor, num_assignments, max_padded,
         NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
@@ -588,8 +573,6 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 # -- 1.6 fused_moe: every expert's MLP as one grouped GEMM per projection (needs 1.2 and 1.5) -----------
-
-
 @triton.jit
 def _fused_moe_kernel(
     a_ptr,  # [rows, K] activations: one row per token (gate_up) or per assignment (down)
@@ -706,8 +689,7 @@ def fused_moe_ref(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
 # The tuned path (EngineConfig(tuned=...), nanoengine.tuned_ops) swaps these in for Part 1's kernels or
 # torch ops where a decode step runs. Each says what it replaces and when; BENCHMARKS.md shows what it buys.
 
-# Part 2's tuning constants. Each is the best of an H200 sweep or the edge where a variant stops paying;
-# BENCHMARKS.md has the figures.
+# Tuning constants: each is the best of an H200 sweep or the edge where a variant stops paying.
 LINEAR_MAX_M = 256  # linear takes at most this many rows; more go to cuBLAS (F.linear)
 LINEAR_NARROW_N = 4096  # ... a weight of at most this many rows ("narrow": cuBLAS splits K there) may take more
 LINEAR_TILE_BYTES = 16384  # weight bytes a program loads per K step: 2 programs an SM keep 4.3 TB/s in flight
@@ -728,13 +710,11 @@ MAX_TICKETS = 1 << 16  # _last_to_finish counters: groups of programs that merge
 
 
 # -- 2.1 pdl: programmatic dependent launch (Hopper and later) ------------------------------------------
-# A decode step is a chain of a few hundred short kernels. Between two of them the GPU normally drains the
-# first, then launches the second and spreads its programs over the SMs: about a microsecond a kernel in
-# which no byte moves. Launched as a programmatic dependent launch, the next kernel's programs take their
-# places while this one runs and wait at griddepcontrol.wait (_wait_for_inputs) until it has finished and
-# its writes are visible. A kernel lets the next one launch only after its own wait, so at most two are in
-# flight and each still sees the writes of every kernel before it. It changes no result, only the gaps.
-
+# A decode step is a chain of a few hundred short kernels. Between two, the GPU normally drains the first,
+# then launches the next: about a microsecond a kernel in which no byte moves. Launched as a programmatic
+# dependent launch, the next kernel's programs take their places while this one runs and wait at
+# griddepcontrol.wait (_wait_for_inputs) until its writes are visible. A kernel releases the next only after
+# its own wait, so at most two are in flight and each sees every earlier kernel's writes: no result changes.
 
 @functools.lru_cache(maxsize=None)
 def has_pdl(device: torch.device) -> bool:
@@ -744,27 +724,24 @@ def has_pdl(device: torch.device) -> bool:
 
 @triton.jit
 def _wait_hold_next(PDL: tl.constexpr):
-    """_wait_for_inputs without releasing the next kernel early: it launches as this one's programs exit.
-    Decode attention's programs hold most of each SM's shared memory, so the o matmul's programs, released
-    early, pile up on the few SMs that free first."""
+    """_wait_for_inputs that lets the next kernel launch only as this one's programs exit: decode attention's hold
+    most of each SM's shared memory, so the o matmul's programs, released early, would pile onto the first SMs freed."""
     if PDL:
         tl.extra.cuda.gdc_wait()
 
 
 @functools.lru_cache(maxsize=None)
 def _tickets(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters for _last_to_finish, one buffer per device; each last program puts its counter
-    back to zero, so no memset is needed between launches or graph replays. Made on the first (eager)
-    call, so it is ordinary memory, not a graph pool's."""
+    """Zeroed int32 counters for _last_to_finish, one buffer per device, made on the first (eager) call: ordinary
+    memory, not a graph pool's. Each last program zeroes its counter again: no memset between launches or replays."""
     return torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
 
 
 @triton.jit
 def _last_to_finish(ticket_ptr, group_size):
-    """Called by every program of a group after it stored its partial result: True in exactly one, the
-    last, which then combines the partials in the same launch (no second kernel to merge them). The
-    barrier puts this program's stores before its ticket; the acquire-release atomic makes every earlier
-    program's stores visible to the one that draws the last ticket."""
+    """Called by every program of a group after it stored its partial result: True in exactly one, the last,
+    which then combines the partials in the same launch. The barrier puts this program's stores before its
+    ticket; the acquire-release atomic makes every earlier program's stores visible to the last ticket's."""
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     last = ticket == group_size - 1
@@ -773,10 +750,7 @@ def _last_to_finish(ticket_ptr, group_size):
     return last
 
 
-# -- 2.2 linear: the matmul for decode-sized batches (replaces F.linear up to a few rows; its prologue
-# -- can replace add_rmsnorm, its epilogue silu_and_mul) ---------------------------------------------------
-
-
+# -- 2.2 linear: the matmul for a few rows (replaces F.linear; its prologue add_rmsnorm, its epilogue silu_and_mul) -
 @triton.jit
 def _linear_kernel(
     x_ptr,  # [M, K], row stride stride_xm
@@ -868,9 +842,8 @@ def _linear_kernel(
 
 
 def linear_blocks(m: int, n: int, k: int, element_size: int, gated: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, num_warps, num_stages) from the shapes alone (n: the weight's
-    rows). The rules reproduce the best tiles of H200 sweeps at Qwen3-0.6B, Llama-3.2-1B and Llama-3-8B
-    shapes; each weight tile is LINEAR_TILE_BYTES, enough in flight per program for full bandwidth."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, num_warps, num_stages) from the shapes alone (n: the weight's rows),
+    by rules that reproduce the best tiles of H200 sweeps at Qwen3-0.6B, Llama-3.2-1B and Llama-3-8B shapes."""
     if m > 1:  # tl.dot tiles: rows pad to a power of two from 16
         cap = LINEAR_DOT_MAX_BLOCK_M if k >= LINEAR_LONG_K else 128  # long rows: a tile's K steps are many
         block_m, block_n = min(max(16, triton.next_power_of_2(m)), cap), 64
@@ -879,12 +852,10 @@ def linear_blocks(m: int, n: int, k: int, element_size: int, gated: bool = False
         while block_n > 16 and triton.cdiv(n, block_n) * triton.cdiv(m, block_m) < 96:
             block_n //= 2  # then the tile
         block_k = max(16, min(LINEAR_TILE_BYTES // (block_n * element_size), triton.next_power_of_2(k)))
-        # 4 stages, or 5 while the stages' tiles fit 120 KB of shared memory
-        stages = 5 if (block_m + block_n) * block_k * element_size * 5 <= 120 * 1024 else 4
+        stages = 5 if (block_m + block_n) * block_k * element_size * 5 <= 120 * 1024 else 4  # shared memory: 120 KB
         return block_m, block_n, block_k, True, 4, stages
-    # One row. Rows that split into whole LINEAR_LONG_K steps: a few rows of that length a program at 4
-    # warps (long runs of one row per thread); else the widest BLOCK_N up to 16 that still leaves 256
-    # programs (two per SM), 8 warps.
+    # One row. K in whole LINEAR_LONG_K steps: a few weight rows a program at 4 warps (long runs of one row
+    # per thread); else the widest BLOCK_N up to 16 that still leaves 256 programs (two per SM), 8 warps.
     long_rows = k % LINEAR_LONG_K == 0
     block_n = max(1, LINEAR_TILE_BYTES // (LINEAR_LONG_K * element_size)) if long_rows else 16
     while block_n > 1 + gated and triton.cdiv(n, block_n) < 256:
@@ -911,8 +882,7 @@ def _check_linear_args(x, weight, bias, gated: bool) -> None:
 
 def _launch_linear(x2, weight, bias, out, blocks, pdl: bool, gated=False, residual=None, new_residual=None,
                    norm_weight=None, eps=0.0) -> None:
-    """_linear_kernel over x2 [M, K]; with norm_weight the input is its add + RMSNorm (add_rmsnorm_linear).
-    Unused pointers get x2, which the kernel never reads."""
+    """_linear_kernel over x2 [M, K] (norm_weight: over its add + RMSNorm); unused pointers get x2, never read."""
     (m, k), n = x2.shape, weight.shape[0]
     block_m, block_n, block_k, use_dot, num_warps, num_stages = blocks
     _linear_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
@@ -926,11 +896,10 @@ def _launch_linear(x2, weight, bias, out, blocks, pdl: bool, gated=False, residu
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int = LINEAR_MAX_M,
            narrow_rows: int = 0, gated: bool = False, pdl: bool = False, out: torch.Tensor | None = None):
-    """x [..., K] @ weight [N, K].T + bias -> [..., N]. Replaces F.linear up to max_rows rows (narrow
-    weights, at most LINEAR_NARROW_N rows, up to narrow_rows if more): a pass over the weight that streams
-    it near full bandwidth, where cuBLAS's tiles are built for reuse across many rows. More rows go to
-    F.linear. gated=True: weight is [gate; up] and the result silu(x @ gate.T) * (x @ up.T), [..., N / 2]
-    (replacing silu_and_mul's launch). out: where to write (a graph's static output buffer)."""
+    """x [..., K] @ weight [N, K].T + bias -> [..., N] in a pass that streams the weight near full bandwidth,
+    where cuBLAS's tiles are built for reuse across many rows. Up to max_rows rows (narrow weights, at most
+    LINEAR_NARROW_N rows: up to narrow_rows if more); more go to F.linear. gated=True: weight is [gate; up] and
+    the result silu(x @ gate.T) * (x @ up.T), [..., N / 2]. out: where to write (a graph's static buffer)."""
     _check_linear_args(x, weight, bias, gated)
     n, k = weight.shape
     x2 = x.reshape(-1, k)  # [M, K]
@@ -955,13 +924,13 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
                        weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int = LINEAR_MAX_M,
                        narrow_rows: int = 0, gated: bool = False,
                        pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(add_rmsnorm(x, residual)[0], weight, ...), x + residual): a pre-norm layer's add + RMSNorm
-    made as the one-row matmul after it loads its input, one launch instead of two. Only for one row and
-    tiles of at least LINEAR_NORM_MIN_BLOCK_N weight rows (every program re-reads x, the residual and the
-    norm weight beside its own rows); otherwise add_rmsnorm, then linear. Unlike add_rmsnorm it does not
-    overwrite `residual` (every program reads it while program 0 writes the sum): use the returned one."""
+    """(linear(add_rmsnorm(x, residual)[0], weight, ...), x + residual), the add + RMSNorm made as the one-row
+    matmul loads its input: one launch, not two. Only for one row and tiles of at least LINEAR_NORM_MIN_BLOCK_N
+    weight rows (each program re-reads x, the residual and the norm weight); else add_rmsnorm, then linear.
+    Unlike add_rmsnorm it leaves `residual` as it was (every program reads it while program 0 writes the sum)."""
     _check_linear_args(x, weight, bias, gated)
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or residual.dtype != x.dtype):
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
         raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
                          f"{tuple(residual.shape)} strides {tuple(residual.stride())} {residual.dtype}")
     if norm_weight.shape != (x.shape[-1],):
@@ -980,20 +949,17 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
 def linear_ref(x, weight, bias=None, gated: bool = False) -> torch.Tensor:
     """F.linear in float32, rounded once at the end as the kernel does; gated, then silu_and_mul_ref."""
     y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return silu_and_mul_ref(y.reshape(-1, y.shape[-1])).view(*y.shape[:-1], -1) if gated else y
+    return silu_and_mul_ref(y) if gated else y
 
 
 def add_rmsnorm_linear_ref(x, residual, norm_weight, eps, weight, bias=None, gated=False):
     """The steps it fuses: add_rmsnorm_ref, F.linear, and if gated silu_and_mul_ref."""
     h, residual = add_rmsnorm_ref(x, residual, norm_weight, eps)
     y = torch.nn.functional.linear(h, weight, bias)
-    return (silu_and_mul_ref(y.reshape(-1, y.shape[-1])).view(*y.shape[:-1], -1) if gated else y), residual
+    return (silu_and_mul_ref(y) if gated else y), residual
 
 
-# -- 2.3 decode_attention: rope_write_kv + paged_attention for a decode batch, in one launch where the
-# -- batch fits one wave of programs; split-KV for long contexts, kv heads packed for short ones ----------
-
-
+# -- 2.3 decode_attention: rope_write_kv + paged_attention at decode in one launch, split-KV, packed kv heads --
 @triton.jit
 def _rope_tile(x, x_swap, swap, norm_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
     """[R, HEAD_DIM] float32: rows x, optionally RMSNormed, then x * cos + rotate_half(x) * sin (sin's first
@@ -1115,9 +1081,7 @@ def _decode_attention_kernel(
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
-        splits_used = 1
-        tile_lo = 0
-        tile_hi = num_tiles
+        splits_used, tile_lo, tile_hi = 1, 0, num_tiles
     # Column c of a key tile is key c >> PACK_SHIFT in packed kv head c & (2^PACK_SHIFT - 1): a key's kv
     # heads sit side by side in the cache, so a packed tile reads runs of 2^PACK_SHIFT * D elements.
     cols = tl.arange(0, BLOCK_N)
@@ -1145,10 +1109,9 @@ def _decode_attention_kernel(
     row = req.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M] (request, head) row of out
     if SPLIT:
         if splits_used > 1:
-            # Publish this split's partial; the last to finish merges, in a two-level tree so that no
-            # program reads more than MERGE_FAN_IN - 1 partials one round trip after another: the last
-            # split of each group of MERGE_FAN_IN merges its group into the group's first slot, and
-            # the last group to finish merges the groups.
+            # Publish this split's partial; the last to finish merges, in a two-level tree so that no program
+            # reads more than MERGE_FAN_IN - 1 partials one round trip after another: the last split of each
+            # group of MERGE_FAN_IN merges it into the group's first slot, the last group the groups.
             rows_per_split = tl.num_programs(0) * NUM_HEADS
             _store_partial(m, l, acc, split, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
             group_id = req * tl.num_programs(1) + tl.program_id(1)
@@ -1164,16 +1127,14 @@ def _decode_attention_kernel(
                 m, l, acc = _merge_splits(first, first + members, 1, row, row_ok, rows_per_split, part_out_ptr,
                                           part_ml_ptr, BLOCK_M, HEAD_DIM)
                 if groups > 1:  # the group's merge, to its first slot, for the last group to read
-                    _store_partial(m, l, acc, first, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr,
-                                   HEAD_DIM)
+                    _store_partial(m, l, acc, first, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
             if groups > 1:
                 if not _last_to_finish(tickets_ptr + group_id, groups):
                     return
                 m, l, acc = _merge_splits(0, splits_used, MERGE_FAN_IN, row, row_ok, rows_per_split,
                                           part_out_ptr, part_ml_ptr, BLOCK_M, HEAD_DIM)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that saw no key stays 0
-    tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -1229,8 +1190,7 @@ def decode_context_bounds(b: int, hkv: int) -> tuple[int, ...]:
 def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_lens, block_table, cos_sin, scale,
                      q_norm=None, k_norm=None, eps=1e-6, max_seq_len: int | None = None,
                      num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
-    """rope_write_kv, then paged_attention, for a decode batch (token b is request b's, at position
-    seq_lens[b] - 1) -> out [B, H, D]. Replaces those two at decode:
+    """rope_write_kv, then paged_attention, for a decode batch (token b at position seq_lens[b] - 1) -> [B, H, D]:
     - while the batch's programs fit one wave, in one launch (RoPE and the KV write inside);
     - a long context at a small batch is split over several programs, merged in-kernel, so the GPU fills;
     - a big batch of short contexts (max_seq_len, a host bound, <= ATTN_PACK_MAX_CONTEXT) packs several kv
@@ -1250,8 +1210,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     min_split_tiles = triton.cdiv(ATTN_MIN_SPLIT_TOKENS, block_n)
     if num_splits is None:  # as many as fill ATTN_PROGRAMS_PER_SM a SM, and the longest context can use
         max_splits = triton.cdiv(block_table.shape[1] * block_size, block_n * min_split_tiles)
-        num_splits = max(1, min(ATTN_PROGRAMS_PER_SM * _sm_count(q.device) // (b * hkv), max_splits,
-                                ATTN_MAX_SPLITS))
+        num_splits = max(1, min(ATTN_PROGRAMS_PER_SM * _sm_count(q.device) // (b * hkv), max_splits, ATTN_MAX_SPLITS))
     if b * hkv * (1 + triton.cdiv(num_splits, ATTN_MERGE_FAN_IN)) > MAX_TICKETS:
         num_splits = 1  # a grid this big fills the GPU without splitting
     if num_splits > 1:
@@ -1278,9 +1237,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * 1.4426950408889634,
         NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, PACK_SHIFT=heads.bit_length() - 1, SPLIT=num_splits > 1, MIN_SPLIT_TILES=min_split_tiles,
-        MERGE_FAN_IN=ATTN_MERGE_FAN_IN,
-        ROPE=fused, HAS_NORM=has_norm and fused, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4, num_stages=stages, **_launch_options(pdl))
+        MERGE_FAN_IN=ATTN_MERGE_FAN_IN, ROPE=fused, HAS_NORM=has_norm and fused, num_warps=8 if block_m >= 128 else 4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=stages, **_launch_options(pdl))
     return out
 
 
@@ -1292,10 +1250,7 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, seq
     return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_table, scale, 1)
 
 
-# -- 2.4 fused_moe_decode: a MoE layer for a few tokens as two GEMVs (replaces fused_moe up to
-# -- MOE_DECODE_MAX_TOKENS tokens: no sorting, no silu_and_mul launch, the top-k sum in registers) ----------
-
-
+# -- 2.4 fused_moe_decode: fused_moe for a few tokens as two GEMVs (no sorting, the top-k sum in registers) --
 @triton.jit
 def _moe_decode_gate_up_kernel(
     x_ptr,  # [N, D] tokens, row stride stride_xm
@@ -1369,15 +1324,13 @@ def _moe_decode_down_kernel(
         w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * h[None, :]
-    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
-             mask=col_ok)
+    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int, tiles: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) of a decode MoE kernel with rows x cdiv(n_out, BLOCK_N) programs that
-    each stream `tiles` weight tiles a K step (2 for gate_up, 1 for down): the widest BLOCK_N up to 16 (8
-    for down, whose loop runs ahead across experts) that leaves 256 programs (512 for down), and
-    LINEAR_TILE_BYTES of weights a step. 16-bit gate_up takes MOE_DECODE_GATE_UP_BLOCKS, a sweep's best."""
+    """(BLOCK_N, BLOCK_K, num_warps) for rows x cdiv(n_out, BLOCK_N) programs that each stream `tiles` weight
+    tiles a K step (2: gate_up, 1: down): the widest BLOCK_N up to 16 (8 for down, whose loop runs ahead
+    across experts) that leaves 256 programs (512 for down), and LINEAR_TILE_BYTES of weights a step."""
     if tiles == 2 and element_size == 2:
         return MOE_DECODE_GATE_UP_BLOCKS
     block_n, min_programs = (16, 256) if tiles == 2 else (8, 512)
@@ -1418,10 +1371,7 @@ def fused_moe_tuned(x, gate_up, down, topk_weights, topk_ids, pdl: bool = False)
     return fused_moe(x, gate_up, down, topk_weights, topk_ids, pdl)
 
 
-# -- 2.5 moe_route: softmax, top-k and renormalisation of the router's logits in one launch (replaces
-# -- torch's five: cast, softmax, topk, sum, divide, in every MoE layer) ------------------------------------
-
-
+# -- 2.5 moe_route: the router's softmax, top-k and renormalisation in one launch (replaces torch's five) ---
 @triton.jit
 def _moe_route_kernel(
     logits_ptr,  # [T, E] router logits, contiguous
@@ -1437,8 +1387,7 @@ def _moe_route_kernel(
     _wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)  # one program per token: k rounds of max over E values
     experts = tl.arange(0, EXPERTS_PAD)
-    x = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS,
-                other=-float("inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * NUM_EXPERTS + experts, mask=experts < NUM_EXPERTS, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)  # softmax; padding lanes are 0
     ks = tl.arange(0, K_PAD)
@@ -1481,8 +1430,6 @@ def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool):
 
 
 # -- 2.6 race_sample: sampling in one pass over the logits (replaces race_sample_ref's torch ops) --------
-
-
 @triton.jit
 def _hash32(x):
     """lowbias32 on uint32 lanes: multiplications wrap mod 2**32, shifts are logical."""
@@ -1558,10 +1505,9 @@ def _check_race_args(logits, temperature, seeds, counters) -> None:
 
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                 greedy: bool = False, pdl: bool = False) -> torch.Tensor:
-    """Logits [S, V] -> tokens [S] int64: the argmax where temperature is 0, else a draw from
-    softmax(logits / temperature) whose noise depends only on (seed, counter, token id); -inf logits are
-    never drawn. One program per (row, vocabulary chunk); the row's last chunk to finish picks its token.
-    greedy=True (every temperature 0, known on the host) skips the noise."""
+    """Logits [S, V] -> tokens [S] int64: argmax at temperature 0, else a draw from softmax(logits / temperature)
+    whose noise depends only on (seed, counter, token id); -inf logits are never drawn. One program per (row,
+    vocabulary chunk). greedy=True (every temperature 0, known on the host) skips the noise."""
     _check_race_args(logits, temperature, seeds, counters)
     s, vocab = logits.shape
     if s > MAX_TICKETS:
