@@ -19,7 +19,8 @@ Map (Part 1 is the chapter; Part 2 the decode-speed variants the tuned path swap
 
 Every kernel is three pieces with the same arguments: `_name_kernel` (the Triton program), `name()` (the
 launcher: checks inputs, picks block sizes from host-side sizes only, launches) and `name_ref()` (plain
-torch: the CPU path of the engine, and what the tests compare against). Rules every launcher keeps:
+torch: the CPU path of the engine, and what the tests compare against; 2.2's are linear_ref and
+add_rmsnorm_linear_ref, and 2.1 changes no result). Rules every launcher keeps:
   * no host sync (no .item(), .tolist(), nonzero, bincount; no grid from device values), so a CUDA graph
     can capture the launch and replay it with new batch contents;
   * loads are upcast to float32 before any arithmetic, results cast back once, at the store;
