@@ -6,10 +6,9 @@
     python run.py online --rate 16 --requests 200 # Poisson arrivals: TTFT, TPOT, ITL, end-to-end latency
     python run.py profile --requests 64           # Chrome traces of a few decode steps per configuration
 
-Results go to stdout as JSON lines (generate's text, unless --json), and nothing else does: progress goes
-to stderr. Bad input prints one line naming the problem and exits with status 2. On the CPU the defaults
-are smaller where a command would take long, and each command's --help says how long it takes.
-Imports nanoengine (and kernels.py, for the launch costs).
+Results go to stdout as JSON lines (generate's text, unless --json), progress to stderr. Bad input prints one
+line naming the problem and exits with status 2. On the CPU the defaults are smaller where a command would take
+long, and each command's --help says how long it takes. Imports nanoengine (and kernels.py, for the launch costs).
 """
 import argparse
 import collections
@@ -22,13 +21,13 @@ import time
 
 import torch
 import triton
+from torch.profiler import ProfilerActivity, profile
 
 import kernels
 from nanoengine import PRESETS, TUNED, Engine, EngineConfig, SamplingParams, param_bytes
 
 # The floors divide bytes by the device's bandwidth: --bandwidth, else measured by a copy of this many bytes
-# (past every cache: the H200's L2 is 60 MB), the best of COPY_REPEATS, well under a second. An H200
-# measures about 4.27e12 bytes/s read + written (../shared/GPU.md).
+# (past every cache: the H200's L2 is 60 MB), the best of COPY_REPEATS, well under a second.
 COPY_BYTES = dict(cuda=1 << 30, cpu=256 << 20)
 COPY_REPEATS = 5
 # Defaults that depend on the device, (CUDA, CPU): on the CPU the torch reference attention reads every
@@ -37,6 +36,8 @@ DEVICE_DEFAULTS = dict(num_requests=(256, 64), min_len=(100, 16), max_len=(1024,
                        requests=(200, 24), min_prompt=(256, 16), max_prompt=(1024, 64),
                        output_len=(128, 16), join_prompt_len=(1024, 256))  # online
 PROGRESS_S = 5.0  # seconds between progress lines of the long runs
+TOP_KERNELS = 6  # kernels named in a profile's summary
+STEP_GAP_US = 2.0  # longer than any launch-to-launch gap inside a replayed graph (measured 0.5-1 us)
 
 # The ladder: name -> engine settings, each adding one technique to the row above. Graphs need CUDA.
 CONFIGS = {
@@ -49,10 +50,12 @@ CONFIGS = {
 }
 CPU_CONFIGS = ("eager", "fused", "fused+async", "tuned")
 CUDA_CONFIGS = ("eager", "fused", "fused+graphs", "fused+graphs+async", "tuned")
+# The flags named as EngineConfig fields, which the commands that have them pass on as they are
+ENGINE_FLAGS = ("model", "dtype", "tuned", "enforce_eager", "triton_linear_rows", "triton_narrow_rows", "num_blocks",
+                "max_num_seqs", "max_num_batched_tokens", "cudagraph_mode")
 
 
 def emit(record: dict):
-    """One JSON line per record: easy to read, easy to grep, easy to paste into a table."""
     print(json.dumps(record), flush=True)
 
 
@@ -66,15 +69,17 @@ def device_of(a) -> str:
 
 
 def fill_defaults(a, device: str, names):
-    """The device-dependent defaults (DEVICE_DEFAULTS) of the flags left unset."""
     for name in names:
         if getattr(a, name) is None:
             setattr(a, name, DEVICE_DEFAULTS[name][0 if device.startswith("cuda") else 1])
 
 
-def make_engine(label: str, **settings) -> Engine:
-    """Engine(EngineConfig(**settings)), with a line before and after: building takes a while with a big
-    model, and on CUDA it captures a graph per bucket."""
+def engine_settings(a, **settings) -> dict:
+    return {"device": device_of(a), **{name: getattr(a, name) for name in ENGINE_FLAGS if hasattr(a, name)}, **settings}
+
+
+def make_engine(label: str, settings: dict) -> Engine:
+    """Engine(EngineConfig(**settings)) between two progress lines: a big model, or CUDA graphs, take a while."""
     cfg = EngineConfig(**settings)
     graphs = " and its CUDA graphs" if cfg.device.startswith("cuda") and not cfg.enforce_eager else ""
     note(f"{label}: building the engine{graphs} ({cfg.model}, {cfg.device}) ...")
@@ -87,10 +92,8 @@ def make_engine(label: str, **settings) -> Engine:
 
 
 def measure_bandwidth(device: str) -> float:
-    """Bytes read + written per second by a large copy on the device: the most a decode step's reads of
-    weights and KV can reach."""
-    cuda = device.startswith("cuda")
-    src = torch.ones(COPY_BYTES["cuda" if cuda else "cpu"], dtype=torch.uint8, device=device)
+    """Bytes read + written per second by a large copy: the most a decode step's reads of weights and KV reach."""
+    src = torch.ones(COPY_BYTES["cuda" if device.startswith("cuda") else "cpu"], dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(COPY_REPEATS + 1):  # the first touches dst's pages: only the best counts
@@ -102,18 +105,16 @@ def measure_bandwidth(device: str) -> float:
     return 2 * src.numel() / best
 
 
-def floor_bandwidth(a, device: str) -> tuple[float, str]:
-    """The bytes/s the floors divide by, and where it came from: --bandwidth if given, else measured here."""
-    if a.bandwidth is not None:
-        if not a.bandwidth > 0:
-            raise ValueError(f"--bandwidth {a.bandwidth} is invalid: give the device's bytes/s, e.g. 4.27e12")
-        return a.bandwidth, "--bandwidth"
-    note(f"measuring the copy bandwidth of {device} (under a second; --bandwidth skips it) ...")
-    return measure_bandwidth(device), "measured"
-
-
-def bandwidth_fields(bandwidth: float, source: str) -> dict:
-    return dict(bandwidth_gb_s=round(bandwidth / 1e9, 1), bandwidth_source=source)
+def floor_bandwidth(a, device: str) -> tuple[float, dict]:
+    """The bytes/s the floors divide by (--bandwidth, else measured here), and the JSON fields that report it."""
+    if a.bandwidth is None:
+        note(f"measuring the copy bandwidth of {device} (under a second; --bandwidth skips it) ...")
+        bandwidth, source = measure_bandwidth(device), "measured"
+    elif a.bandwidth > 0:
+        bandwidth, source = a.bandwidth, "--bandwidth"
+    else:
+        raise ValueError(f"--bandwidth {a.bandwidth} is invalid: give the device's bytes/s, e.g. 4.27e12")
+    return bandwidth, dict(bandwidth_gb_s=round(bandwidth / 1e9, 1), bandwidth_source=source)
 
 
 def sync_device(device: str):
@@ -139,31 +140,31 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 # run.py overhead: the ladder, each configuration one technique on from the one before
+def ladder(a, cuda: bool) -> list[str]:
+    """The configurations of --configs, checked, else every one this device runs."""
+    names = a.configs.split(",") if a.configs else list(CUDA_CONFIGS if cuda else CPU_CONFIGS)
+    for name in names:
+        if name not in CONFIGS or ("graphs" in name and not cuda):
+            raise ValueError(f"--configs has {name!r}; choose from {', '.join(CONFIGS)} (graphs need CUDA)")
+    return names
 
 
 def cmd_overhead(a):
     device = device_of(a)
     cuda = device.startswith("cuda")
-    names = a.configs.split(",") if a.configs else list(CUDA_CONFIGS if cuda else CPU_CONFIGS)
-    for c in names:
-        if c not in CONFIGS or ("graphs" in c and not cuda):
-            raise ValueError(f"--configs has {c!r}; choose from {', '.join(CUDA_CONFIGS if cuda else CONFIGS)} "
-                             "(graphs need CUDA)")
-    base = dict(model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.slots or a.requests,
-                num_blocks=a.num_blocks, triton_linear_rows=a.triton_linear_rows,
-                triton_narrow_rows=a.triton_narrow_rows)
-    EngineConfig(**base, tuned=a.tuned)  # bad settings fail here, as one line, before any progress is printed
-    bandwidth = floor_bandwidth(a, device)
+    names, slots = ladder(a, cuda), a.slots or a.requests
+    EngineConfig(**engine_settings(a, max_num_seqs=slots))  # bad settings fail here, before any progress line
+    bandwidth, bandwidth_fields = floor_bandwidth(a, device)
     tau = launch_costs() if cuda else None
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True, output_kind="final_only")
     header, records, reference, fused_reference = None, [], None, None
     for name in names:
-        engine = make_engine(name, **base, **{**CONFIGS[name], **({"tuned": a.tuned} if name == "tuned" else {})})
+        engine = make_engine(name, engine_settings(a, max_num_seqs=slots, **CONFIGS[name]))
         prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
         note(f"{name}: warm-up, then {a.requests} requests x {a.new_tokens} tokens ...")
         run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=3, output_kind="final_only"))
         r = run_engine(engine, prompts, params)
-        header = header or overhead_header(engine, a, device, *bandwidth)
+        header = header or overhead_header(engine, a, device, bandwidth, bandwidth_fields)
         reference = reference or r["outputs"]
         fused_reference = fused_reference or (r["outputs"] if name != "eager" else None)
         steps = max(r["steps"], 1)
@@ -200,12 +201,12 @@ def same_share(outputs: list, reference: list) -> float:
     return round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 4)
 
 
-def overhead_header(engine: Engine, a, device: str, bandwidth: float, source: str) -> dict:
+def overhead_header(engine: Engine, a, device: str, bandwidth: float, bandwidth_fields: dict) -> dict:
     context = a.prompt_len + a.new_tokens // 2
     floor = floor_seconds(engine, a.requests, context, bandwidth)
     dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests, prompt_len=a.prompt_len,
-                new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4), **bandwidth_fields(bandwidth, source),
+                new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4), **bandwidth_fields,
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {bandwidth / 1e12:.3f} TB/s")
 
 
@@ -252,8 +253,7 @@ def run_engine(engine: Engine, prompts, params) -> dict:
 
 
 def launch_costs() -> dict:
-    """tau, measured here, in us: host time to launch one tiny kernel eagerly (a torch op, a Triton kernel),
-    and to replay a CUDA graph of one."""
+    """tau in us: host time to launch one tiny kernel eagerly (a torch op, a Triton kernel), or a graph of one."""
     x, y = torch.zeros(16, device="cuda"), torch.zeros(1, 2, device="cuda")
 
     def per_call(fn, n=500) -> float:
@@ -277,23 +277,9 @@ def launch_model(engine: Engine, prompts, floor_ms: float, tau: dict, steps: int
     """The launch model beside the measured step: eager ~ T_compute + N tau (each of the step's N kernels
     launched from Python), graphed ~ T_compute + tau (one replay), with T_compute the floor. N is counted
     with the profiler over a few more decode steps of the same requests."""
-    from torch.profiler import ProfilerActivity, profile
-    for p in prompts:
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True,
-                                             output_kind="final_only"))
-    step = stepper(engine)
-    for _ in range(3):  # prefill and the first decodes, outside the count
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    while engine.has_unfinished():
-        step()
-    kernels_run = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.startswith(("Memcpy", "Memset"))]
-    n = len(kernels_run) / steps
+    prof = profile_steps(engine, prompts, 3, steps, [ProfilerActivity.CUDA])
+    n = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+            for e in prof.events()) / steps
     graphed = engine.runner.graphs is not None
     tau_us = tau["replay"] if graphed else tau["torch" if not engine.cfg.fuse else "triton"]
     return dict(kernels_per_step=round(n, 1), launch_tau_us=round(tau_us, 2),
@@ -302,8 +288,6 @@ def launch_model(engine: Engine, prompts, floor_ms: float, tau: dict, steps: int
 
 # ----------------------------------------------------------------------------------------------------------
 # run.py online: requests arrive over time; what a user waits for
-
-
 def cmd_online(a):
     device = device_of(a)
     fill_defaults(a, device, ("requests", "min_prompt", "max_prompt", "output_len", "join_prompt_len"))
@@ -311,9 +295,7 @@ def cmd_online(a):
         raise ValueError(f"--min-prompt {a.min_prompt} is more than --max-prompt {a.max_prompt}")
     if not (a.burst or a.rate > 0):
         raise ValueError(f"--rate {a.rate} is invalid: give requests per second > 0, or --burst")
-    engine = make_engine("online", model=a.model, device=device, dtype=a.dtype, tuned=a.tuned,
-                         enforce_eager=a.enforce_eager, async_scheduling=not a.sync, cudagraph_mode=a.cudagraph_mode,
-                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    engine = make_engine("online", engine_settings(a, async_scheduling=not a.sync))
     rng, vocab = random.Random(a.seed), engine.model.config.vocab_size
     arrival, load = 0.0, []
     for _ in range(a.requests):  # Poisson arrivals: exponential gaps at `rate` a second (all at 0 with --burst)
@@ -329,8 +311,9 @@ def cmd_online(a):
     engine.stats.timing = True
     r = drive(engine, load, a.output_len)
     compiles.stop()
-    times, steps = r["times"], engine.stats.step_seconds()
-    out_tokens = sum(len(t) for _, t in times)
+    times, out_tokens = r["times"], sum(len(t) for _, t in r["times"])
+    decode_steps = [s for s, prompt in engine.stats.step_seconds() if not prompt]
+    prompt_steps = [s for s, prompt in engine.stats.step_seconds() if prompt]
     emit(dict(model=a.model, device=torch.cuda.get_device_name() if engine.cuda else "cpu", requests=a.requests,
               rate=None if a.burst else a.rate, burst=a.burst, prompt_tokens=f"uniform {a.min_prompt}-{a.max_prompt}",
               output_tokens_each=a.output_len, tuned=",".join(sorted(engine.cfg.tuned)),
@@ -342,11 +325,10 @@ def cmd_online(a):
               tpot_ms=percentiles([(t[-1] - t[0]) / (len(t) - 1) for _, t in times if len(t) > 1]),
               itl_ms=percentiles([b - x for _, t in times for x, b in zip(t, t[1:])]),
               e2e_ms=percentiles([t[-1] - s for s, t in times]),
-              decode_step_ms=dict(percentiles([s for s, prompt in steps if not prompt]), n=sum(not p for _, p in steps)),
-              prompt_step_ms=dict(percentiles([s for s, prompt in steps if prompt]), n=sum(p for _, p in steps)),
+              decode_step_ms=dict(percentiles(decode_steps), n=len(decode_steps)),
+              prompt_step_ms=dict(percentiles(prompt_steps), n=len(prompt_steps)),
               step_timing="gpu events" if engine.cuda else "host wall",
-              join_step_ms=dict(prompt_tokens=a.join_prompt_len, decodes=16, first=join[0],
-                                median=sorted(join)[1]),
+              join_step_ms=dict(prompt_tokens=a.join_prompt_len, decodes=16, first=join[0], median=sorted(join)[1]),
               compiles_during_run=compiles.count))
     engine.close()
 
@@ -358,8 +340,7 @@ def drive(engine: Engine, load: list, output_len: int) -> dict:
     step, pending, times = stepper(engine), collections.deque(sorted(load, key=lambda x: x[0])), {}
     t0 = last = time.perf_counter()
     while pending or engine.has_unfinished():
-        now = time.perf_counter()
-        while pending and pending[0][0] <= now - t0:
+        while pending and pending[0][0] <= time.perf_counter() - t0:
             arrival, prompt = pending.popleft()
             times[engine.add_request(prompt, params)] = (t0 + arrival, [])
         if not engine.has_unfinished():
@@ -400,41 +381,32 @@ class CompileCounter:
     specialisations stalls the GPU for up to a second, which a load must never meet."""
 
     def __init__(self):
-        self.count, self.knobs = 0, getattr(getattr(triton, "knobs", None), "runtime", None)
-        if self.knobs is None or not torch.cuda.is_available():  # the interpreter compiles nothing
-            self.count = None
-            return
-        self.prev = self.knobs.jit_post_compile_hook
+        self.count, self.prev = None, triton.knobs.runtime.jit_post_compile_hook
+        if torch.cuda.is_available():  # the interpreter compiles nothing: the count stays None
+            self.count = 0
+            triton.knobs.runtime.jit_post_compile_hook = self.hook
 
-        def hook(*args, **kwargs):
-            self.count += 1
-            return self.prev(*args, **kwargs) if self.prev else None
-        self.knobs.jit_post_compile_hook = hook
+    def hook(self, *args, **kwargs):
+        self.count += 1
+        return self.prev(*args, **kwargs) if self.prev else None
 
     def stop(self):
-        if self.count is not None:
-            self.knobs.jit_post_compile_hook = self.prev
+        triton.knobs.runtime.jit_post_compile_hook = self.prev
 
 
 # ----------------------------------------------------------------------------------------------------------
 # run.py generate, bench, profile
-
-
 def cmd_generate(a):
     if (a.prompt is None) == (a.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    prompt = a.prompt
-    if a.prompt_ids is not None:
-        try:
-            prompt = [int(t) for t in a.prompt_ids.split(",")]
-        except ValueError:
-            raise ValueError(f"--prompt-ids {a.prompt_ids!r} is invalid: give comma-separated integers") from None
+    try:
+        prompt = a.prompt if a.prompt_ids is None else [int(t) for t in a.prompt_ids.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {a.prompt_ids!r} is invalid: give comma-separated integers") from None
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed, output_kind="delta" if a.stream else "final_only")
     # No progress lines: the command is short, and bad input (a model, a prompt) prints its one line alone
-    engine = Engine(EngineConfig(model=a.model, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                                 tuned=a.tuned, triton_linear_rows=a.triton_linear_rows,
-                                 triton_narrow_rows=a.triton_narrow_rows))
+    engine = Engine(EngineConfig(**engine_settings(a)))
     if a.stream:  # each token as it reaches the host: text (with a tokenizer) or ids
         ids = []
         for o in engine.stream(prompt, params):
@@ -464,11 +436,8 @@ def cmd_bench(a):
     fill_defaults(a, device, ("num_requests", "min_len", "max_len"))
     if a.min_len > a.max_len:
         raise ValueError(f"--min-len {a.min_len} is more than --max-len {a.max_len}")
-    bandwidth = floor_bandwidth(a, device)  # before the engine takes the GPU's memory
-    engine = make_engine("bench", model=a.model, device=device, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                         tuned=a.tuned, async_scheduling=not a.sync, max_num_seqs=a.max_num_seqs,
-                         max_num_batched_tokens=a.max_num_batched_tokens, triton_linear_rows=a.triton_linear_rows,
-                         triton_narrow_rows=a.triton_narrow_rows)
+    bandwidth, bandwidth_fields = floor_bandwidth(a, device)  # before the engine takes the GPU's memory
+    engine = make_engine("bench", engine_settings(a, async_scheduling=not a.sync))
     rng, vocab = random.Random(a.seed), engine.model.config.vocab_size
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(a.min_len, a.max_len))],
              SamplingParams(temperature=0.6, max_tokens=rng.randint(a.min_len, a.max_len), ignore_eos=True, seed=i,
@@ -503,7 +472,7 @@ def cmd_bench(a):
               total_tok_s=round((out_tokens + prompt_tokens) / wall, 1), steps=engine.stats.steps,
               host_ms_per_step=round(1e3 * engine.stats.host_s / max(engine.stats.steps, 1), 3),
               gpu_busy_pct=round(100 * engine.stats.gpu_seconds() / wall, 1) if engine.cuda else None,
-              floor_s=round(bench_floor(engine, reqs, bandwidth[0]), 2), **bandwidth_fields(*bandwidth)))
+              floor_s=round(bench_floor(engine, reqs, bandwidth), 2), **bandwidth_fields))
     engine.close()
 
 
@@ -516,44 +485,41 @@ def bench_floor(engine: Engine, reqs, bandwidth: float) -> float:
     return (engine.stats.steps * param_bytes(engine.model) + kv) / bandwidth
 
 
-def cmd_profile(a):
-    """A torch.profiler trace of a few decode steps per configuration (Chrome trace JSON: open in
-    Perfetto), and a summary: kernels per step, GPU busy fraction, the kernels that take most of a step."""
-    from torch.profiler import ProfilerActivity, profile
-    device = device_of(a)
-    cuda = device.startswith("cuda")
-    names = a.configs.split(",") if a.configs else list(CUDA_CONFIGS if cuda else CPU_CONFIGS)
-    os.makedirs(a.out, exist_ok=True)
-    for name in names:
-        if name not in CONFIGS or ("graphs" in name and not cuda):
-            raise ValueError(f"--configs has {name!r}; choose from {', '.join(CONFIGS)} (graphs need CUDA)")
-        engine = make_engine(name, model=a.model, device=device, dtype=a.dtype, max_num_seqs=a.requests,
-                             **{**CONFIGS[name], **({"tuned": a.tuned} if name == "tuned" else {})})
-        note(f"{name}: prefill and 8 steps, then {a.steps} traced decode steps ...")
-        for p in random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed):
-            engine.add_request(p, SamplingParams(temperature=0, max_tokens=a.steps + 20, ignore_eos=True,
-                                                 output_kind="final_only"))
-        step = stepper(engine)
-        for _ in range(8):  # prefill and warm-up decode steps, outside the trace
+def profile_steps(engine: Engine, prompts, warmup: int, steps: int, activities):
+    """torch.profiler over `steps` steps of the prompts' requests, after `warmup` untraced ones (prefill among them),
+    then the requests run out. They have 12 tokens to spare, so every traced step decodes all of them."""
+    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 12, ignore_eos=True, output_kind="final_only")
+    for p in prompts:
+        engine.add_request(p, params)
+    step = stepper(engine)
+    for _ in range(warmup):
+        step()
+    sync_device(engine.cfg.device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
             step()
-        sync_device(device)
+        sync_device(engine.cfg.device)
+    while engine.has_unfinished():
+        step()
+    return prof
+
+
+def cmd_profile(a):
+    """Chrome traces of a few decode steps per configuration (open them in Perfetto), each summarised."""
+    cuda = device_of(a).startswith("cuda")
+    os.makedirs(a.out, exist_ok=True)
+    for name in ladder(a, cuda):
+        engine = make_engine(name, engine_settings(a, max_num_seqs=a.requests, **CONFIGS[name]))
+        note(f"{name}: prefill and 8 steps, then {a.steps} traced decode steps ...")
+        prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
         # On CUDA, kernels only unless asked: tracing every CPU op slows the host several-fold, and with it
         # the very idle time between steps that the summary measures.
-        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.with_cpu else []) if cuda else [ProfilerActivity.CPU]
-        with profile(activities=acts) as prof:
-            for _ in range(a.steps):
-                step()
-            sync_device(device)
+        on_cuda = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if a.with_cpu else [ProfilerActivity.CUDA]
+        prof = profile_steps(engine, prompts, 8, a.steps, on_cuda if cuda else [ProfilerActivity.CPU])
         path = os.path.join(a.out, f"{a.model}-{a.requests}-{name.replace('+', '_')}.json")
         prof.export_chrome_trace(path)
         emit(dict(config=name, requests=a.requests, trace=path, **trace_summary(path, a.steps, cuda)))
-        while engine.has_unfinished():
-            step()
         engine.close()
-
-
-TOP_KERNELS = 6
-STEP_GAP_US = 2.0  # longer than any launch-to-launch gap inside a replayed graph (measured 0.5-1 us)
 
 
 def trace_summary(path: str, steps: int, cuda: bool) -> dict:
@@ -588,8 +554,6 @@ def trace_summary(path: str, steps: int, cuda: bool) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------
 # The command line
-
-
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block: the CLI's rule for bad input
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -604,114 +568,87 @@ def positive(text: str) -> int:
 
 
 def by_device(name: str, what: str) -> str:
-    """Help for a flag whose default depends on the device (DEVICE_DEFAULTS)."""
     on_cuda, on_cpu = DEVICE_DEFAULTS[name]
     return f"{what} (default: {on_cuda} on CUDA, {on_cpu} on the CPU)"
 
 
 def make_parser() -> Parser:
     """Every flag's help says its unit and its default; every command's says how long its defaults take."""
-    p = Parser(prog="run.py", description=__doc__.splitlines()[0],
-               epilog="Results: JSON lines on stdout (generate: its text, unless --json). Progress: stderr. "
-                      "`run.py COMMAND --help` for each command's flags and time.")
+    p = Parser(prog="run.py", description=__doc__.splitlines()[0], epilog="Results: JSON lines on stdout (generate: "
+               "its text, unless --json). Progress: stderr. `run.py COMMAND --help` for a command's flags and time.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     common = Parser(add_help=False)
     common.add_argument("--model", default="tiny",
                         help=f"checkpoint folder or preset: {', '.join(PRESETS)} (default: %(default)s)")
-    common.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    common.add_argument("--dtype", default=None,
-                        help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on the CPU)")
-    common.add_argument("--seed", type=int, default=0,
-                        help="seed of the random prompts, or of sampling for generate (default: %(default)s)")
+    common.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    common.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on the CPU)")
+    common.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
     common.add_argument("--tuned", nargs="?", const=True, default=True, metavar="VARIANTS",
-                        help=f"Part 2's variants: all with no value; or some, comma-separated, of {', '.join(TUNED)}"
-                             "; or '-a,-b' for all but those (default: all; overhead: its `tuned` row)")
-    common.add_argument("--no-tuned", dest="tuned", action="store_const", const=False,
-                        help="the textbook path only (default: off)")
+                        help=f"Part 2's variants: all with no value; or some, comma-separated, of {', '.join(TUNED)}; "
+                             "or '-a,-b' for all but those (default: all; overhead: its `tuned` row)")
+    common.add_argument("--no-tuned", dest="tuned", action="store_false", help="the textbook path only (default: off)")
     rows = Parser(add_help=False)
-    rows.add_argument("--triton-linear-rows", type=int, default=None,
-                      help="tuned: matmuls of up to N rows (0-256) in Triton, not cuBLAS (default: by the model on "
-                           "CUDA, 0 on the CPU)")
-    rows.add_argument("--triton-narrow-rows", type=int, default=None,
+    rows.add_argument("--triton-linear-rows", type=int, help="tuned: matmuls of up to N rows (0-256) in Triton, not "
+                      "cuBLAS (default: by the model on CUDA, 0 on the CPU)")
+    rows.add_argument("--triton-narrow-rows", type=int,
                       help="tuned: ... and narrow ones (<= 4096 outputs) up to N rows, if more (default: by the model)")
     floors = Parser(add_help=False)  # the commands that report a bandwidth floor
-    floors.add_argument("--bandwidth", type=float, default=None,
-                        help="the device's memory bandwidth in bytes/s, for the floors (default: measured by a "
-                             "large copy on the device, under a second; an H200 measures about 4.27e12)")
+    floors.add_argument("--bandwidth", type=float, help="the device's memory bandwidth in bytes/s, for the floors "
+                        "(default: measured by a large copy, under a second; an H200 measures about 4.27e12)")
     eager = Parser(add_help=False)
-    eager.add_argument("--enforce-eager", action="store_true", default=None,
-                       help="no CUDA graphs (default: graphs on CUDA, eager on the CPU)")
+    eager.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (default: off)")
+    batch = Parser(add_help=False)  # overhead and profile: one batch under each configuration of the ladder
+    batch.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
+    batch.add_argument("--prompt-len", type=positive, default=32, help="tokens in each prompt (default: %(default)s)")
+    batch.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (default: "
+                       f"{','.join(CPU_CONFIGS)} on the CPU, {','.join(CUDA_CONFIGS)} on CUDA)")
+    load = Parser(add_help=False)  # bench and online: many requests through the scheduler
+    load.add_argument("--max-num-seqs", type=positive, default=256, help="most requests a step (default: %(default)s)")
+    load.add_argument("--sync", action="store_true", help="sync scheduling (default: off, async)")
 
-    def command(name: str, text: str, parents=(common,)) -> Parser:
-        return sub.add_parser(name, parents=list(parents), help=text, description=text)
+    def command(name: str, text: str, *parents: Parser) -> Parser:
+        return sub.add_parser(name, parents=[common, *parents], help=text, description=text)
 
-    g = command("generate", "generate from one prompt: its text, or its token ids (2-core CPU: ~10 s)",
-                (common, rows, eager))
-    g.add_argument("--prompt", default=None,
-                   help="the prompt as text; needs the model's tokenizer.json (default: none, give --prompt-ids)")
-    g.add_argument("--prompt-ids", default=None, help="the prompt as comma-separated token ids (default: none)")
+    g = command("generate", "generate from one prompt: its text, or its token ids (2-core CPU: ~10 s)", rows, eager)
+    g.add_argument("--prompt", help="the prompt as text; needs the model's tokenizer.json (default: none)")
+    g.add_argument("--prompt-ids", help="the prompt as comma-separated token ids (default: none)")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the most likely tokens that hold this share of the probability; 1 = all "
-                        "(default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=-1, help="sample from this many most likely tokens; -1 = all "
-                   "(default: %(default)s)")
-    g.add_argument("--json", action="store_true",
-                   help="print one JSON line (ids, text, finish reason, time to first token) (default: off)")
-    g.add_argument("--stream", action="store_true",
-                   help="print each token as it reaches the host: text with a tokenizer, else ids (default: off)")
+    g.add_argument("--temperature", type=float, default=0.0, help="temperature; 0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens that hold this share "
+                   "of the probability; 1 = all (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=-1, help="only the k likeliest tokens; -1 = all (default: %(default)s)")
+    g.add_argument("--json", action="store_true", help="one JSON line: ids, text, finish reason, TTFT (default: off)")
+    g.add_argument("--stream", action="store_true", help="print each token as it reaches the host (default: off)")
     o = command("overhead", "decode a batch under each rung of the ladder: a JSON header line (the bandwidth floor "
-                "of a step), then one line per configuration (2-core CPU: ~1 min)", (common, rows, floors))
-    o.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
-    o.add_argument("--slots", type=positive, default=None,
-                   help="max_num_seqs, requests the engine batches at most (default: --requests)")
-    o.add_argument("--new-tokens", type=positive, default=64, help="tokens each request generates (default: %(default)s)")
-    o.add_argument("--prompt-len", type=positive, default=32, help="tokens in each random prompt (default: %(default)s)")
-    o.add_argument("--num-blocks", type=positive, default=None,
-                   help="KV cache blocks of 16 tokens (default: 512 MiB of cache on the CPU, "
-                        "gpu_memory_utilization=0.9 of the GPU on CUDA)")
-    o.add_argument("--configs", default=None,
-                   help=f"comma-separated subset of {','.join(CONFIGS)} (default: {','.join(CPU_CONFIGS)} on the CPU, "
-                        f"{','.join(CUDA_CONFIGS)} on CUDA)")
-    b = command("bench", "offline throughput, nano-vllm's protocol: one JSON line (2-core CPU: ~1-2 min)",
-                (common, rows, floors, eager))
-    b.add_argument("--num-requests", type=positive, default=None, help=by_device("num_requests", "requests"))
-    b.add_argument("--min-len", type=positive, default=None,
-                   help=by_device("min_len", "fewest tokens in a prompt, and to generate"))
-    b.add_argument("--max-len", type=positive, default=None,
-                   help=by_device("max_len", "most tokens in a prompt, and to generate"))
-    b.add_argument("--max-num-seqs", type=positive, default=256, help="requests batched at most (default: %(default)s)")
+                "of a step), then one line per configuration (2-core CPU: ~1 min)", rows, floors, batch)
+    o.add_argument("--slots", type=positive, help="max_num_seqs: most requests a step (default: --requests)")
+    o.add_argument("--new-tokens", type=positive, default=64, help="output tokens a request (default: %(default)s)")
+    o.add_argument("--num-blocks", type=positive, help="KV cache blocks of 16 tokens (default: 512 MiB of cache on the "
+                   "CPU, gpu_memory_utilization=0.9 of the GPU on CUDA)")
+    b = command("bench", "offline throughput, nano-vllm's protocol (2-core CPU: ~1-2 min)", rows, floors, eager, load)
+    b.add_argument("--num-requests", type=positive, help=by_device("num_requests", "requests"))
+    b.add_argument("--min-len", type=positive, help=by_device("min_len", "fewest tokens in a prompt, and to generate"))
+    b.add_argument("--max-len", type=positive, help=by_device("max_len", "most tokens in a prompt, and to generate"))
     b.add_argument("--max-num-batched-tokens", type=positive, default=16384,
                    help="tokens per step: prompts go in a few large chunks (default: %(default)s, nano-vllm's)")
-    b.add_argument("--sync", action="store_true", help="sync scheduling (default: off, async)")
-    n = command("online", "requests arriving over time (Poisson, or --burst): one JSON line with TTFT, TPOT, ITL and "
-                "end-to-end latency at p50/p90/p99, step times by kind, compiles during the run (2-core CPU: ~1 min)",
-                (common, eager))
+    n = command("online", "requests arriving over time (Poisson, or --burst): TTFT, TPOT, ITL and end-to-end latency "
+                "at p50/p90/p99, step times by kind, compiles during the run (2-core CPU: ~1 min)", eager, load)
     n.add_argument("--rate", type=float, default=16.0, help="requests a second, Poisson (default: %(default)s)")
     n.add_argument("--burst", action="store_true", help="every request at once (default: off, Poisson)")
-    n.add_argument("--requests", type=positive, default=None, help=by_device("requests", "requests in the run"))
-    n.add_argument("--min-prompt", type=positive, default=None,
-                   help=by_device("min_prompt", "fewest prompt tokens (uniform between the two)"))
-    n.add_argument("--max-prompt", type=positive, default=None, help=by_device("max_prompt", "most prompt tokens"))
-    n.add_argument("--output-len", type=positive, default=None, help=by_device("output_len", "tokens each generates"))
-    n.add_argument("--join-prompt-len", type=positive, default=None,
+    n.add_argument("--requests", type=positive, help=by_device("requests", "requests in the run"))
+    n.add_argument("--min-prompt", type=positive, help=by_device("min_prompt", "fewest prompt tokens (uniform)"))
+    n.add_argument("--max-prompt", type=positive, help=by_device("max_prompt", "most prompt tokens"))
+    n.add_argument("--output-len", type=positive, help=by_device("output_len", "tokens each generates"))
+    n.add_argument("--join-prompt-len", type=positive,
                    help=by_device("join_prompt_len", "tokens of the prompt timed joining 16 decodes"))
-    n.add_argument("--max-num-seqs", type=positive, default=256, help="requests batched at most (default: %(default)s)")
     n.add_argument("--max-num-batched-tokens", type=positive, default=2048,
                    help="tokens per step: longer prompts are chunked (default: %(default)s)")
     n.add_argument("--cudagraph-mode", default="full",
                    help="full: graphs for every step; full_decode_only: decode steps only (default: %(default)s)")
-    n.add_argument("--sync", action="store_true", help="sync scheduling (default: off, async)")
-    r = command("profile", "Chrome traces of decode steps per configuration, one JSON line each (2-core CPU: ~1 min)")
-    r.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
-    r.add_argument("--prompt-len", type=positive, default=32, help="tokens in each random prompt (default: %(default)s)")
+    r = command("profile", "Chrome traces of decode steps per configuration (2-core CPU: ~1 min)", batch)
     r.add_argument("--steps", type=positive, default=10, help="decode steps traced (default: %(default)s)")
-    r.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)} (default: the "
-                   "ladder; graphs only on CUDA)")
     r.add_argument("--out", default="traces", help="folder for the traces (default: %(default)s)")
-    r.add_argument("--with-cpu", action="store_true",
-                   help="on CUDA, trace the host's ops too, which slows the host (default: off, kernels only)")
+    r.add_argument("--with-cpu", action="store_true", help="on CUDA, trace host ops too, slowing it (default: off)")
     return p
 
 
