@@ -9,8 +9,7 @@ of its tokens: a chunk of its prompt, or the one token it sampled last) -> FINIS
 
 Part 1 is the chapter: `BlockManager` (blocks, prefix cache), `RequestBook` (the requests and what happens
 to them after a step) and `Scheduler` (what runs next). Part 2 is the tuned host path: a decode of an
-unchanged running set planned on arrays (`SteadyDecode`), so a step costs the same at 1 request or 256.
-"""
+unchanged running set planned on arrays (`SteadyDecode`), so a step costs the same at 1 request or 256."""
 from __future__ import annotations
 
 import itertools
@@ -25,6 +24,7 @@ import numpy as np
 # model straight from the device; the host fills it in one step later.
 PLACEHOLDER = -1
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
 
 # What a request's outputs carry, as vLLM's RequestOutputKind: every step its tokens so far, every step
 # only the new ones, or one output when it finishes (LLM.generate's choice).
@@ -33,21 +33,17 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 @dataclass
 class SamplingParams:
-    """How one request samples, as vLLM's SamplingParams (these fields only). Checked when made: a wrong
-    type raises TypeError, a wrong value ValueError, each naming the field, its value and what is allowed.
-    "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the vocabulary (vLLM clamps it too);
-    top_p 1.0. Token ids >= the vocabulary (stop_token_ids) are refused by Engine.add_request, which
-    knows the model."""
+    """How one request samples, as vLLM's SamplingParams (these fields only), checked when made (check_type, require).
+    "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the vocabulary (vLLM clamps it too); top_p 1.0.
+    Token ids >= the vocabulary (stop_token_ids) are refused by Engine.add_request, which knows the model."""
     temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too. Finite: inf is refused, as in vLLM
-    top_p: float = 1.0          # nucleus sampling: keep the smallest set of tokens whose mass reaches top_p;
-                                # in (0, 1], 1 keeps all
+    top_p: float = 1.0          # nucleus sampling: keep the fewest tokens whose mass reaches top_p; 1 keeps all
     top_k: int = -1             # keep the k most likely tokens; -1 or 0 keep all (vLLM: both mean off)
     max_tokens: int = 16        # vLLM's default
     seed: int | None = None     # per-request seed: the same tokens whatever else is in the batch (int64)
     stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos); None: none
     ignore_eos: bool = False    # keep going past eos (benchmarks)
-    output_kind: str = "cumulative"  # outputs every step with all tokens so far, every step with the new
-                                     # ones ("delta"), or once at the end ("final_only"), as vLLM's
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
     def __post_init__(self):
         for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"),
@@ -88,8 +84,7 @@ class Request:
     max_len: int = 0                  # token count at which it stops for length: set by RequestBook.add
     last_step: int = -1               # the last step that scheduled it (preemption spares those)
     num_reported: int = 0             # output tokens already returned in outputs (for "delta")
-    # Times (time.perf_counter): arrival, first scheduled, first token on the host, finished
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0         # time.perf_counter(), as the three below (first token: on the host)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -127,14 +122,12 @@ def block_key(parent: int, tokens) -> tuple:
 class BlockManager:
     """Hands out KV blocks, ref-counted, with prefix caching.
 
-    A full block of real tokens is published under its key (block_key): a prompt's blocks as soon as they
-    are computed (requests that share a system prompt find them while the first still runs), the blocks a
-    request fills while decoding when it lets go of them (finish, abort, preemption), as SGLang inserts a
-    request into its radix cache when it finishes. A block whose last user lets go is not wiped: it waits
-    in an LRU list of cached-free blocks, reusable by a later request with the same prefix until the
-    allocator evicts it. The runner's scratch block (index num_blocks) is not known here, so it can never
-    be handed out.
-    """
+    A full block of real tokens is published under its key (block_key): a prompt's blocks as soon as they are
+    computed (requests that share a system prompt find them while the first still runs), the blocks a request
+    fills while decoding when it lets go of them (finish, abort, preemption), as SGLang inserts a request into its
+    radix cache when it finishes. A block whose last user lets go is not wiped: it waits in an LRU list of
+    cached-free blocks, reusable by a later request with the same prefix until the allocator evicts it. The
+    runner's scratch block (index num_blocks) is not known here, so it can never be handed out."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -149,14 +142,6 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free) + len(self.cached_free)
-
-    def _take(self) -> int:
-        if self.free:
-            return self.free.popleft()
-        block, _ = self.cached_free.popitem(last=False)  # evict the least recently freed
-        del self.block_of[self.key_of[block]]
-        self.key_of[block] = None
-        return block
 
     def cached_prefix(self, req: Request) -> list[int]:
         """Blocks already holding a prefix of req's tokens. The last token is always left to compute,
@@ -180,13 +165,10 @@ class BlockManager:
         req.prefix_ids = [self.prefix_id[b] for b in blocks]
         req.num_computed_tokens = len(blocks) * self.block_size
 
-    def blocks_needed(self, req: Request, num_tokens: int) -> int:
-        total = -(-(req.num_computed_tokens + num_tokens) // self.block_size)
-        return max(0, total - len(req.block_ids))
-
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Give req room for num_tokens more tokens; False (and nothing taken) if there is not enough."""
-        need = self.blocks_needed(req, num_tokens)
+        total = -(-(req.num_computed_tokens + num_tokens) // self.block_size)  # blocks for all its tokens
+        need = max(0, total - len(req.block_ids))
         if need > self.num_free_blocks:
             return False
         req.block_ids += self.take(need)
@@ -195,9 +177,16 @@ class BlockManager:
     def take(self, n: int) -> list[int]:
         """n blocks, each with one user; the caller has checked that there are enough free."""
         assert n <= self.num_free_blocks, f"{n} blocks asked, {self.num_free_blocks} free"
-        blocks = [self.free.popleft() for _ in range(n)] if n <= len(self.free) else [self._take() for _ in range(n)]
-        for block in blocks:
+        blocks = []
+        for _ in range(n):
+            if self.free:
+                block = self.free.popleft()
+            else:  # evict the least recently freed
+                block, _ = self.cached_free.popitem(last=False)
+                del self.block_of[self.key_of[block]]
+                self.key_of[block] = None
             self.ref_count[block] = 1
+            blocks.append(block)
         return blocks
 
     def publish(self, req: Request, num_tokens: int):
@@ -219,9 +208,8 @@ class BlockManager:
             ids.append(self.prefix_id[block])
 
     def release(self, reqs: list[Request]):
-        """Publish the blocks the requests filled while decoding (their KV is written, or queued to be),
-        then give their blocks back, each one's tail first, so that the LRU evicts a prefix's last blocks
-        before its first."""
+        """Publish the blocks the requests filled while decoding (their KV is written, or queued to be), then give
+        their blocks back, each one's tail first, so that the LRU evicts a prefix's last blocks before its first."""
         for req in reqs:
             self.publish(req, req.num_computed_tokens)
         for req in reqs:
@@ -246,8 +234,7 @@ class SchedulerOutput:
     num_decode: int = 0            # the first num_decode entries are decodes (one token, sampling)
     step: int = 0                  # Scheduler.step_id of this plan
     steady: SteadyDecode | None = None  # Part 2: set when the plan decodes an unchanged running set
-    # Part 2, fast-path plans: (indices of the requests whose token starts a block, the block it starts)
-    entering: tuple[np.ndarray, np.ndarray] | None = None
+    entering: tuple[np.ndarray, np.ndarray] | None = None  # Part 2: (requests whose token starts a block, the blocks)
 
     @property
     def is_decode(self) -> bool:
@@ -278,12 +265,11 @@ class Batch:
 
 
 class RequestBook:
-    """The requests and what happens to them after a step: a sampled token lands, a stop is checked, a
-    request finishes or is aborted and gives its blocks back. It holds the queues the Scheduler plans from.
+    """The requests and what happens to them after a step: a sampled token lands, a stop is checked, a request
+    finishes or is aborted and gives its blocks back. It holds the queues the Scheduler plans from.
 
-    Tokens arrive as an int64 array (n,); requests get Python ints (tolist), never numpy scalars. Each
-    landing returns the requests to report: those that got a token and want per-step outputs
-    (output_kind), and those that finished."""
+    Tokens arrive as an int64 array (n,); requests get Python ints (tolist), never numpy scalars. Each landing returns
+    the requests to report: those that got a token and want per-step outputs (output_kind), and those that finished."""
 
     def __init__(self, blocks: BlockManager, max_model_len: int, eos_token_ids: tuple = ()):
         self.blocks, self.max_model_len, self.eos_token_ids = blocks, max_model_len, frozenset(eos_token_ids)
@@ -310,14 +296,11 @@ class RequestBook:
         return out.requests if out.is_decode else tuple(r for r, s in zip(out.requests, out.samples) if s)
 
     def update(self, out: SchedulerOutput, tokens) -> list[Request]:
-        """Sync: append each sampling request's token and check its stops."""
-        reqs = self.sampling_requests(out)
-        for req, token in zip(reqs, np.asarray(tokens).tolist()):
-            req.token_ids.append(token)
-        return self._landed(reqs, [len(r.token_ids) - 1 for r in reqs])
+        """Sync: a launch whose tokens land at once."""
+        return self.fill(self.append_placeholders(out), tokens)
 
     def append_placeholders(self, out: SchedulerOutput) -> tuple:
-        """Async launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
+        """A launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
         slots for fill(): the requests and their placeholders' indices."""
         reqs = self.sampling_requests(out)
         index = [len(r.token_ids) for r in reqs]
@@ -326,26 +309,17 @@ class RequestBook:
         return reqs, index, None
 
     def fill(self, slots: tuple, tokens) -> list[Request]:
-        """Async: a step's tokens have landed; each goes to its PLACEHOLDER, then the stops are checked."""
+        """A step's tokens have landed: each goes to its PLACEHOLDER, and finishes its request if it ends it (a stop
+        id, or the last allowed index). Returns the requests to report."""
         reqs, index, _ = slots
-        live, at = [], []
+        now, ended, report = time.perf_counter(), [], []
         for req, i, token in zip(reqs, index, np.asarray(tokens).tolist()):
             if req.status == FINISHED or i >= len(req.token_ids):
                 continue  # stopped or aborted meanwhile: this token was computed for nothing, drop it
             assert req.token_ids[i] == PLACEHOLDER, f"slot {i} of {req.request_id} already filled"
             req.token_ids[i] = token
-            live.append(req)
-            at.append(i)
-        return self._landed(live, at)
-
-    def _landed(self, reqs, index: list[int]) -> list[Request]:
-        """Requests whose token at `index` just landed: stamp first tokens, finish those it ends (a stop id,
-        or the last allowed index). Returns the requests to report."""
-        now, ended, report = time.perf_counter(), [], []
-        for req, i in zip(reqs, index):
             if req.first_token_time is None:
                 req.first_token_time = now
-            token = req.token_ids[i]
             if token in req.stop_ids or i + 1 >= req.max_len:
                 ended.append((req, i, token))
             elif req.params.output_kind != "final_only":
@@ -380,14 +354,12 @@ class RequestBook:
         self.aborted.append(req)
 
     def _retire(self, req: Request, reason: str):
-        """The bookkeeping of a request whose blocks went back."""
         self.on_release(req)
         req.status, req.finish_reason, req.finished_time = FINISHED, reason, time.perf_counter()
         del self.requests[req.request_id]
 
     def preempt(self, req: Request):
-        """Back to waiting with nothing computed (its KV will be recomputed), at the front in arrival order
-        among the preempted."""
+        """Back to waiting with nothing computed (its KV will be recomputed), ahead of all that arrived after it."""
         self.running.remove(req)
         self.blocks.release([req])
         self.on_release(req)
@@ -409,9 +381,8 @@ class Scheduler:
     def __init__(self, book: RequestBook, max_num_seqs: int, max_num_batched_tokens: int):
         self.book, self.blocks = book, book.blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.num_preemptions = 0
+        self.step_id, self.num_preemptions = 0, 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
-        self.step_id = 0
 
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
@@ -431,8 +402,7 @@ class Scheduler:
         return out
 
     def _decode_pass(self, out: SchedulerOutput) -> int:
-        """Every running request with exactly one token to compute, preempting when blocks run out.
-        Returns the token budget left."""
+        """Running requests with one token to compute, preempting if blocks run out. Returns the token budget left."""
         budget, bs = self.max_num_batched_tokens, self.blocks.block_size
         for req in list(self.book.running):  # a copy: preemption removes from running
             nc = req.num_computed_tokens
@@ -459,10 +429,8 @@ class Scheduler:
             req = book.waiting[0]
             if req.pending:  # preempted with a token in flight: wait for it to land
                 break
-            if req.num_computed_tokens == 0:
-                cached = self.blocks.cached_prefix(req)
-                self.blocks.use_cached(req, cached)
-                self.num_cached_tokens += len(cached) * self.blocks.block_size
+            self.blocks.use_cached(req, self.blocks.cached_prefix(req))  # it has nothing computed (new, or preempted)
+            self.num_cached_tokens += req.num_computed_tokens
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             if not self.blocks.allocate(req, n):
                 self.blocks.release([req])
@@ -475,8 +443,7 @@ class Scheduler:
             budget -= n
 
     def _grow(self, req: Request, n: int) -> bool:
-        """Room for n more tokens of req, preempting others (newest first) if needed; False if req itself
-        had to go."""
+        """Room for n more tokens of req, preempting others (newest first) if needed; False if req itself had to go."""
         while not self.blocks.allocate(req, n):
             victim = self._victim(req)
             self._preempt(victim)
@@ -529,8 +496,7 @@ KINDS = {
 
 
 def check_type(name: str, value, kind: str, optional: bool = False):
-    """TypeError naming the argument, its value and what it may hold, unless value is of `kind` (a KINDS
-    key), or None where optional."""
+    """TypeError naming the argument, its value and what it may hold unless value is of `kind` (or None if optional)."""
     test, words = KINDS[kind]
     if not (test(value) or (optional and value is None)):
         raise TypeError(f"{name}={value!r:.80} has type {type(value).__name__}: it must be {words}"
@@ -541,9 +507,6 @@ def require(ok: bool, name: str, value, allowed: str):
     """ValueError naming the argument, its value and what is allowed, unless ok."""
     if not ok:
         raise ValueError(f"{name}={value!r:.80} is invalid: it must be {allowed}")
-
-
-SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -560,38 +523,26 @@ def others(n: int, index: np.ndarray) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
-def attention_at(count: np.ndarray, last: np.ndarray, block_size: int) -> np.ndarray:
-    """For decodes at counts `count`: the first count >= count at which each needs more than +1 in a step:
-    its next token starts a block (it may need one), or is its last allowed (async: it must not compute
-    another while that one is in flight)."""
-    return np.minimum(-(-count // block_size) * block_size, last)
-
-
 @dataclass(eq=False)
 class SteadyDecode:
     """The running set as numpy arrays, for the steps that only move every request on by one token.
 
-    Most steps are the last step's plan one token later: the same requests, each computing the token it
-    sampled last. Each pass over the requests in Python costs tens of microseconds at 256 requests, so
-    when a step decodes the whole running set its counts are copied into arrays here, and while that set
-    stays the same a step is planned with one numpy operation (counts + 1). A request needs more than +1
-    only when its next token starts a block or is its last (`attend_at`); `quiet` counts the steps until
-    the first such one, and only then are the due requests visited.
+    Most steps are the last step's plan one token later: the same requests, each computing the token it sampled
+    last. Each pass over the requests in Python costs tens of microseconds at 256 requests, so when a step decodes
+    the whole running set its counts are copied into arrays here, and while that set stays the same a step is
+    planned with one numpy operation (counts + 1). Only the steps where someone needs more than +1 visit requests.
 
-    While it stands, `computed` is the truth about its requests' counts, and `tokens` holds the tokens they
-    sampled meanwhile, a row per step (an async launch takes its row before its tokens land). The blocks a
-    boundary step hands out wait in `entered`. The requests get all of it back when the set is dropped
-    (hand_back), before anything reads them: only the general path and a finishing request do. Requests
-    that finish only leave it (`without`): the rest go on in a new, smaller instance that knows its
-    `parent` and which of the parent's requests it `kept`, so a runner can compact its rows and a step
-    launched before the change can land its tokens (`kept_of`). A join, abort or preemption drops it.
-    """
+    While it stands, its arrays are the truth about its requests (counts, tokens sampled, blocks handed out); they
+    get it all back when the set is dropped (hand_back), before anything reads them: only the general path and a
+    finishing request do. Requests that finish only leave it (`without`): the rest go on in a new, smaller
+    instance, so a runner can compact its rows and a step launched before the change can land its tokens
+    (`kept_of`). A join, abort or preemption drops it."""
     requests: tuple[Request, ...]  # a new tuple with each instance: a runner tells a set by identity
     # (n,) int64 num_computed_tokens. Replaced each step, never changed in place: a plan's starts and its
     # placeholder indices are earlier arrays, and must keep their values.
     computed: np.ndarray
     last: np.ndarray         # (n,) int64: max_len - 1, the index of a request's last allowed token
-    attend_at: np.ndarray    # (n,) int64: the count at which each needs more than +1 (attention_at)
+    attend_at: np.ndarray    # (n,) int64: the count at which each needs more than +1 (see `of`)
     stops: frozenset         # every stop id of any of them (most often just eos)
     countdown: int           # min(last - computed): steps until the first of them computes its last token
     tokens: np.ndarray       # (steps, n) int64: row k holds the tokens sampled by its k-th step
@@ -603,40 +554,29 @@ class SteadyDecode:
     num_steps: int = 0       # rows of `tokens` in use (one per planned step)
     landed: int = 0          # ... of which the first `landed` hold tokens (async: the last may be in flight)
     quiet: int = 0           # min(attend_at - computed): while > 0, no one needs more than +1
-    awaiting: bool = True    # planned, and its tokens not yet appended (update / append_placeholders)
+    awaiting: bool = True    # planned, and no row yet for its tokens (append_placeholders)
 
     @classmethod
     def of(cls, out: SchedulerOutput, block_size: int) -> SteadyDecode:
         """From a plan that decodes the whole running set (already applied to the requests)."""
         reqs, computed = out.requests, out.starts + 1
         last = np.array([r.max_len - 1 for r in reqs], dtype=np.int64)
-        attend_at = attention_at(computed, last, block_size)
+        # The first count at which each needs more than +1: its next token starts a block (it may need one), or
+        # is its last allowed (async: it must not compute another while that one is in flight).
+        attend_at = np.minimum(-(-computed // block_size) * block_size, last)
         countdown = int((last - computed).min())
         # It stands for at most countdown + 1 steps (then someone computes its last token); + 1 to spare.
         tokens = np.empty((min(countdown + 2, STEADY_MAX_STEPS), len(reqs)), dtype=np.int64)
-        return cls(reqs, computed, last, attend_at, frozenset().union(*(r.stop_ids for r in reqs)),
-                   countdown=countdown, tokens=tokens, num_tokens=out.num_tokens, samples=out.samples,
-                   quiet=int((attend_at - computed).min()))
-
-    def append(self, tokens=None) -> int:
-        """A row for one step's tokens: given (sync), or to come (async: `land` writes them)."""
-        row, self.num_steps, self.awaiting = self.num_steps, self.num_steps + 1, False
-        if tokens is not None:
-            self.land(row, tokens)
-        return row
+        return cls(reqs, computed, last, attend_at, frozenset().union(*(r.stop_ids for r in reqs)), countdown,
+                   tokens, out.num_tokens, out.samples, quiet=int((attend_at - computed).min()))
 
     def land(self, row: int, tokens):
         """A step's tokens arrive; rows land in order (one step is in flight at most)."""
         self.tokens[row] = tokens
         self.landed = row + 1
 
-    def may_stop(self, tokens: np.ndarray) -> bool:
-        """Is any of these tokens a stop id of any request? (Exact when all share one eos.)"""
-        return bool(self.stops) and not self.stops.isdisjoint(tokens.tolist())
-
     def hand_back(self, index: np.ndarray | None = None):
-        """The requests (all, or those at `index`) get their counts and the tokens held here, and every
-        request the blocks it was handed (the set is being dropped, or they leave it)."""
+        """Hand the requests (all, or those at `index`) their counts and tokens, and every request its new blocks."""
         self.tokens[self.landed:self.num_steps] = PLACEHOLDER  # launched, not landed: filled by index later
         held, counts, reqs = self.tokens[:self.num_steps], self.computed, self.requests
         if index is not None:
@@ -651,22 +591,20 @@ class SteadyDecode:
         self.entered = []
 
     def without(self, leaving: np.ndarray) -> SteadyDecode | None:
-        """The set less the requests at `leaving`, which get back what is held for them; None if no one
-        stays. The rest keep their counts and tokens here, in a new instance (see the class)."""
+        """The set less the requests at `leaving` (they get back what is held for them), or None if no one stays."""
         self.hand_back(leaving)
         kept = others(len(self.requests), leaving)
         if not len(kept):
             return None
         computed, last, attend_at = self.computed[kept], self.last[kept], self.attend_at[kept]
         countdown = int((last - computed).min())
-        tokens = np.empty((max(len(self.tokens), min(self.num_steps + countdown + 2, STEADY_MAX_STEPS)),
-                           len(kept)), dtype=np.int64)
+        rows = max(len(self.tokens), min(self.num_steps + countdown + 2, STEADY_MAX_STEPS))  # as `of`, never fewer
+        tokens = np.empty((rows, len(kept)), dtype=np.int64)
         tokens[:self.num_steps] = self.tokens[:self.num_steps, kept]
-        # The stop ids stay those of the larger set: a superset only means a closer look (may_stop) sooner.
-        return SteadyDecode(tuple([self.requests[i] for i in kept.tolist()]), computed, last, attend_at,
-                            self.stops, countdown=countdown, tokens=tokens,
-                            num_tokens=self.num_tokens[:len(kept)], samples=self.samples[:len(kept)],
-                            parent=self, kept=kept, num_steps=self.num_steps, landed=self.landed,
+        # The stop ids stay those of the larger set: a superset only means a closer look (_steady_ended) sooner.
+        return SteadyDecode(tuple([self.requests[i] for i in kept.tolist()]), computed, last, attend_at, self.stops,
+                            countdown, tokens, self.num_tokens[:len(kept)], self.samples[:len(kept)], parent=self,
+                            kept=kept, num_steps=self.num_steps, landed=self.landed,
                             quiet=int((attend_at - computed).min()), awaiting=self.awaiting)
 
     def kept_of(self, older: SteadyDecode) -> np.ndarray | None:
@@ -682,10 +620,7 @@ class SteadyDecode:
 class SteadyBook(RequestBook):
     """RequestBook that lands a steady decode's tokens on its arrays (a row each step) and checks their stops
     with one set test, so no request is visited until one stops or the set is dropped."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.steady: SteadyDecode | None = None  # the running set as arrays, while it is unchanged
+    steady: SteadyDecode | None = None  # the running set as arrays, while it is unchanged
 
     def drop_steady(self):
         """Back to the general path: the requests get their counts and tokens back (SteadyDecode)."""
@@ -693,19 +628,12 @@ class SteadyBook(RequestBook):
         if s is not None:
             s.hand_back()
 
-    def update(self, out: SchedulerOutput, tokens) -> list[Request]:
-        s = out.steady
-        if s is None or s is not self.steady:
-            return super().update(out, tokens)
-        tokens = np.asarray(tokens)
-        s.append(tokens)
-        return self._steady_ended(s, s.computed, s.countdown, tokens)
-
     def append_placeholders(self, out: SchedulerOutput) -> tuple:
         s = out.steady
         if s is None or s is not self.steady:
             return super().append_placeholders(out)
-        return s.requests, s.computed, (s, s.append(), s.countdown)  # the row it holds them in
+        row, s.num_steps, s.awaiting = s.num_steps, s.num_steps + 1, False  # a row for its tokens, which `land` fills
+        return s.requests, s.computed, (s, row, s.countdown)
 
     def fill(self, slots: tuple, tokens) -> list[Request]:
         reqs, index, held = slots
@@ -725,10 +653,9 @@ class SteadyBook(RequestBook):
         return report + self._steady_ended(self.steady, index[kept], countdown, tokens[kept])
 
     def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray) -> list:
-        """Finish the requests of the standing set s that a step's tokens (at index, countdown steps to the
-        first last token) end. They are looked at one by one only when some token is a stop id of some
-        request; those that stop leave the set (without), the rest go on."""
-        may_stop = s.may_stop(tokens)
+        """Finish the members of the standing set s that a step's tokens (at index; countdown steps to the first last
+        token) end, looked at one by one only when some token is a stop id of some request. They leave the set."""
+        may_stop = bool(s.stops) and not s.stops.isdisjoint(tokens.tolist())  # exact when all share one eos
         if countdown > 0 and not may_stop:
             return []
         stopped = index >= s.last  # its last allowed token: one comparison, not a visit to each request
@@ -737,19 +664,14 @@ class SteadyBook(RequestBook):
         stopped = np.flatnonzero(stopped)
         if not len(stopped):
             return []
-        ended = list(zip([s.requests[k] for k in stopped.tolist()], index[stopped].tolist(),
-                         tokens[stopped].tolist()))
+        ended = list(zip([s.requests[k] for k in stopped.tolist()], index[stopped].tolist(), tokens[stopped].tolist()))
         self.steady = s.without(stopped)
         return super()._finish_ended(ended)  # the set has let them go already: no drop
 
     def _finish_ended(self, ended: list) -> list[Request]:
-        """A member of the standing set that finishes here drops the set: the running set changes, and its
-        tokens must be in token_ids to be cut."""
-        s = self.steady
-        if ended and s is not None:
-            members = {id(r) for r in s.requests}
-            if any(id(req) in members for req, _, _ in ended):
-                self.drop_steady()
+        """A member finishing here drops the set: the running set changes, and the cut needs its tokens in token_ids."""
+        if self.steady is not None and any(req in self.steady.requests for req, _, _ in ended):
+            self.drop_steady()
         return super()._finish_ended(ended)
 
     def finish(self, req: Request, reason: str):
@@ -766,21 +688,19 @@ class SteadyScheduler(Scheduler):
         return self._steady_step() or self._general_plan()
 
     def _general_plan(self) -> SchedulerOutput:
-        book = self.book
-        book.drop_steady()
+        self.book.drop_steady()
         out = super()._plan()
         # Only requests that want just their final output (LLM.generate's): streamed ones need their tokens
         # in token_ids every step, which is what the arrays avoid.
-        if out.requests and out.is_decode and len(out.requests) == len(book.running) and all(
+        if out.requests and out.is_decode and len(out.requests) == len(self.book.running) and all(
                 r.params.output_kind == "final_only" and r.first_token_time is not None for r in out.requests):
-            out.steady = book.steady = SteadyDecode.of(out, self.blocks.block_size)
+            out.steady = self.book.steady = SteadyDecode.of(out, self.blocks.block_size)
         return out
 
     def _steady_step(self) -> SchedulerOutput | None:
         """The plan when the running set is unchanged and each request has one token to compute; None where
         the general path's could differ: a waiting request could join, or free blocks are short."""
-        book = self.book
-        s = book.steady
+        book, s = self.book, self.book.steady
         if s is None or s.awaiting or s.num_steps == len(s.tokens) or \
                 (book.waiting and len(book.running) < self.max_num_seqs):
             return None
