@@ -531,49 +531,6 @@ class ModelRunner:
         return tokens
 
 
-class StepStats:
-    """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
-    (scheduling, batch building, bookkeeping). With `timing` on (benchmarks) each step's time is kept,
-    tagged by kind (with prompt tokens, or decode only): device time from a pair of CUDA events on CUDA,
-    the forward's wall time on the CPU (where it is synchronous). Off by default: no events are made."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.timing = cuda, False
-        self.reset()
-
-    def reset(self):
-        self.steps = self.tokens = 0
-        self.total_s = self.forward_s = self.wait_s = 0.0
-        self.events = []  # (start, end, has prompt tokens): CUDA events, or perf_counter times
-
-    @property
-    def host_s(self) -> float:
-        return self.total_s - self.forward_s - self.wait_s
-
-    def now(self):
-        """A recorded CUDA event on CUDA, the time on the CPU; None while timing is off."""
-        if not self.timing:
-            return None
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def end(self, start, prompt: bool):
-        if start is not None:
-            self.events.append((start, self.now(), prompt))
-
-    def step_seconds(self) -> list[tuple[float, bool]]:
-        """(seconds, has prompt tokens) of each timed step."""
-        if self.cuda and self.events:
-            self.events[-1][1].synchronize()
-        return [(a.elapsed_time(b) / 1e3 if self.cuda else b - a, prompt) for a, b, prompt in self.events]
-
-    def gpu_seconds(self) -> float:
-        return sum(s for s, _ in self.step_seconds())
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The engine and the LLM front end
 
@@ -644,7 +601,7 @@ class Engine:
 
     # -- a step ------------------------------------------------------------------------------------------
     @property
-    def stats(self) -> StepStats:
+    def stats(self) -> "StepStats":
         return self.runner.stats
 
     def step(self) -> list[RequestOutput]:
@@ -959,6 +916,53 @@ def check_params(name: str, params) -> SamplingParams:
         raise TypeError(f"{name}={params!r:.80} has type {type(params).__name__}: give a SamplingParams, or None "
                         "for the defaults")
     return params
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measuring steps: where a step's time goes (run.py's benchmarks read it)
+
+
+class StepStats:
+    """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
+    (scheduling, batch building, bookkeeping). With `timing` on (benchmarks) each step's time is kept,
+    tagged by kind (with prompt tokens, or decode only): device time from a pair of CUDA events on CUDA,
+    the forward's wall time on the CPU (where it is synchronous). Off by default: no events are made."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.timing = cuda, False
+        self.reset()
+
+    def reset(self):
+        self.steps = self.tokens = 0
+        self.total_s = self.forward_s = self.wait_s = 0.0
+        self.events = []  # (start, end, has prompt tokens): CUDA events, or perf_counter times
+
+    @property
+    def host_s(self) -> float:
+        return self.total_s - self.forward_s - self.wait_s
+
+    def now(self):
+        """A recorded CUDA event on CUDA, the time on the CPU; None while timing is off."""
+        if not self.timing:
+            return None
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end(self, start, prompt: bool):
+        if start is not None:
+            self.events.append((start, self.now(), prompt))
+
+    def step_seconds(self) -> list[tuple[float, bool]]:
+        """(seconds, has prompt tokens) of each timed step."""
+        if self.cuda and self.events:
+            self.events[-1][1].synchronize()
+        return [(a.elapsed_time(b) / 1e3 if self.cuda else b - a, prompt) for a, b, prompt in self.events]
+
+    def gpu_seconds(self) -> float:
+        return sum(s for s, _ in self.step_seconds())
 
 
 # ----------------------------------------------------------------------------------------------------------
