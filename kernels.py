@@ -168,7 +168,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
-# -- 1.3 rope_write_kv: per-head RMSNorm (Qwen3), rotary embedding, and the KV-cache write ---------------
+# -- 1.3 rope_write_kv: per-head RMSNorm (Qwen3), rotary embedding, the KV-cache write (needs 1.1) -------
 @triton.jit
 def _rope_heads(
     x_ptr,  # this token's first head

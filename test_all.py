@@ -782,18 +782,14 @@ def _run_alone(number: str) -> dict:
 
 
 @pytest.mark.parametrize("number,with_norm", [
-    ("1.1", False), ("1.2", False), ("1.3", False),
-    pytest.param("1.3", True, marks=pytest.mark.xfail(strict=True, reason=(
-        "engine bug (kernels.py 1.3): rope_write_kv_ref calls 1.1's rmsnorm_ref for the per-head norm, and "
-        "the section's title does not say it needs 1.1. Remove this mark once it does, or once 1.3 carries "
-        "its own norm"))),
-    ("1.4", False), ("1.5", False), ("1.6", False)])
+    ("1.1", False), ("1.2", False), ("1.3", False), ("1.3", True), ("1.4", False), ("1.5", False), ("1.6", False)])
 def test_kernel_part1_sections_run_alone(number, with_norm):
     """Copy-paste proven, not promised: each Part 1 section (kernel, launcher, reference), run in a fresh
     namespace (_run_alone), computes what its own reference does, on a small float32 input."""
     header, sections = _part1()
     assert list(sections) == ["1.1", "1.2", "1.3", "1.4", "1.5", "1.6"]
     assert _needs(sections["1.6"]) == ["1.2", "1.5"], "fused_moe calls silu_and_mul and moe_align, and says so"
+    assert _needs(sections["1.3"]) == ["1.1"], "rope_write_kv_ref's per-head norm is 1.1's rmsnorm_ref, and says so"
     header_ns = {"torch": torch, "triton": triton, "tl": tl}
     exec(compile(header, "<kernels.py Part 1 header>", "exec"), header_ns)
     assert set(header_ns) - {"torch", "triton", "tl", "__builtins__"} == {"_wait_for_inputs", "_launch_options"}
