@@ -119,7 +119,7 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, qkv: torch.Tensor, batch: Batch, k_cache, v_cache, cos_sin, ops) -> torch.Tensor:
-        """qkv (T, (H + 2 Hkv) D) from the fused matmul -> (T, hidden)."""
+        """qkv (T, (H + 2 Hkv) D): q, k and v side by side -> (T, hidden)."""
         T, H, Hkv, D = qkv.shape[0], self.H, self.Hkv, self.D
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)  # strided views, no copy
@@ -135,11 +135,6 @@ class Attention(nn.Module):
             o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
                                     self.scale, batch.max_query_len)  # (T, H, D)
         return ops.linear(o.view(T, H * D), self.o_proj.weight, self.o_proj.bias)
-
-    def forward_unfused(self, x, batch, k_cache, v_cache, cos_sin, ops):
-        """The eager baseline: three matmuls."""
-        qkv = torch.cat([F.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
-        return self.forward(qkv, batch, k_cache, v_cache, cos_sin, ops)
 
 
 class MLP(nn.Module):
@@ -202,19 +197,17 @@ class DecoderLayer(nn.Module):
         """Pre-norm: residual += x, normalise, attend; residual += that, normalise, MLP. residual is None
         before the first layer. Returns (this layer's output, the residual stream)."""
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
-        if not hasattr(attn, "qkv_proj"):  # the unfused eager baseline
-            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-            x = attn.forward_unfused(h, batch, k_cache, v_cache, cos_sin, ops)
-            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
-            return mlp(h, ops), residual
         if ops.add_rmsnorm_linear:  # Part 2 (kernels 2.2): the add + norm made as the q/k/v matmul loads its row
             qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps,
                                                    attn.qkv_proj.weight, attn.qkv_proj.bias)
         else:
             h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-            qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            if hasattr(attn, "qkv_proj"):
+                qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            else:  # the unfused eager baseline: three matmuls
+                qkv = torch.cat([F.linear(h, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
         x = attn(qkv, batch, k_cache, v_cache, cos_sin, ops)
-        if isinstance(mlp, MoE):  # the router and the experts both read the normed x
+        if not hasattr(mlp, "gate_up_proj"):  # unfused, or a MoE: the router and the experts both read the normed x
             h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
             return mlp(h, ops), residual
         if ops.add_rmsnorm_linear:  # Part 2: ... and silu(gate) * up made as the gate/up matmul stores
@@ -238,10 +231,6 @@ class Model(nn.Module):
         self.ops = textbook_ops(triton=False)
         self.cos_sin = None  # set by build_model: (max_pos, head_dim) float32 on the model's device
         self.graph_safe = False  # every op a sync-free Triton launch: a CUDA graph can capture the forward
-
-    def tie(self):
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse(self):
         """Fuse weights once at load (q/k/v, gate/up, stacked experts); the originals are freed."""
@@ -369,7 +358,6 @@ class InputBuilder:
 
     def __init__(self, cfg: "EngineConfig", vocab_size: int, max_blocks_per_seq: int):
         self.block_size, self.vocab_size = cfg.block_size, vocab_size
-        self.device = torch.device(cfg.device)
         rows = 2 * cfg.max_num_seqs  # live requests: running, or preempted and coming back
         self.row_of: dict[Request, int] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
@@ -381,8 +369,8 @@ class InputBuilder:
         self.seed = np.zeros(rows, dtype=np.int64)
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
         T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
-        self.staging = Staging(self.device, {"int64": 6 * T + 5 * S, "int32": S + 1 + S * max_blocks_per_seq,
-                                             "float32": 2 * S})
+        sizes = {"int64": 6 * T + 5 * S, "int32": S + 1 + S * max_blocks_per_seq, "float32": 2 * S}
+        self.staging = Staging(torch.device(cfg.device), sizes)
         # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
         self.prev_tokens, self.prev_sampling, self._prev_rows = None, (), None
 
@@ -481,7 +469,6 @@ class InputBuilder:
         return self.table[:, :-(-max_seq_len // self.block_size)][rows]
 
     def sampled(self, out, tokens: torch.Tensor, sampling: tuple):
-        """The step's sampled tokens (S,) on the device, for the next step's PLACEHOLDER inputs."""
         self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
 
     @property
@@ -513,8 +500,7 @@ class ModelRunner:
                                       capture=self.device.type == "cuda")
 
     def close(self):
-        """Drop every tensor this runner holds: the KV cache, the graphs (and their memory pool), the
-        staging buffers, last step's tokens and the model (Engine.close)."""
+        """Drop every tensor this runner holds: KV cache, graphs and their pool, staging, tokens, model."""
         self.kv_cache = self.graphs = self.model = self.inputs = None
 
     def execute(self, out) -> torch.Tensor:
@@ -585,9 +571,8 @@ class Engine:
 
     def abort(self, request_id: str):
         """Stop a request and give its blocks back. The next step() or step_async() returns it, once, with
-        finish_reason "abort" and the tokens it had, as vLLM does. Safe at any time, also with a step in
-        flight (async): that step's token for it is dropped, as it was never read back. An unknown or
-        finished id is ignored."""
+        finish_reason "abort" and the tokens it had, as vLLM does. Safe with a step in flight (async): that
+        step's token for it is dropped, never read back. An unknown or finished id is ignored."""
         check_type("request_id", request_id, "str")
         self._check_open()
         req = self.book.requests.get(request_id)
@@ -595,7 +580,6 @@ class Engine:
             self.book.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        """Requests to run, a step in flight, or aborted requests not yet returned."""
         self._check_open()
         return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted)
 
@@ -701,7 +685,6 @@ class Engine:
         return [int(t) for t in prompt]
 
     def _check(self, prompt, params, request_id: str | None) -> tuple[list[int], SamplingParams]:
-        """The checks of add_request: (the prompt's ids, the params). Raises on bad input."""
         self._check_open()
         params = check_params("params", params)
         check_type("request_id", request_id, "str", optional=True)
@@ -766,18 +749,15 @@ class Engine:
         """The most memory a step takes beyond the weights, measured as vLLM does: one forward of a full
         step (max_num_batched_tokens tokens) on a dummy two-block cache. The graphs' shared pool holds the
         largest graph's activations, so this counts them too, plus the graphs' static logits buffer."""
-        mc, cfg = self.model.config, self.cfg
+        mc, cfg, bs = self.model.config, self.cfg, self.cfg.block_size
         T = min(cfg.max_num_batched_tokens, self.max_model_len)
-        kv = torch.zeros(2, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                         dtype=self.model.lm_head.weight.dtype, device=cfg.device)
-        dev = torch.device(cfg.device)
-        batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
-                      positions=torch.arange(T, device=dev), slot_mapping=torch.full((T,), -1, device=dev),
-                      query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=dev),
-                      seq_lens=torch.tensor([T], device=dev),
-                      block_table=torch.zeros(1, -(-T // cfg.block_size), dtype=torch.int32, device=dev),
-                      logits_indices=torch.arange(min(T, cfg.max_num_seqs), device=dev), max_query_len=T,
-                      max_seq_len=T)
+        with torch.device(cfg.device):  # the dummy step's tensors
+            kv = torch.zeros(2, mc.num_layers, 2, bs, mc.num_kv_heads, mc.head_dim,
+                             dtype=self.model.lm_head.weight.dtype)
+            batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.arange(T),
+                          slot_mapping=torch.full((T,), -1), query_start_loc=torch.tensor([0, T], dtype=torch.int32),
+                          seq_lens=torch.tensor([T]), block_table=torch.zeros(1, -(-T // bs), dtype=torch.int32),
+                          logits_indices=torch.arange(min(T, cfg.max_num_seqs)), max_query_len=T, max_seq_len=T)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -802,17 +782,15 @@ class Engine:
                         return
 
     def close(self):
-        """Give the engine's memory back now: KV cache, CUDA graphs and their memory pool, staging buffers
-        and weights, then torch's cache on CUDA. Using the engine afterwards raises ValueError; closing
-        twice does nothing. Dropping the last reference frees the same, short of emptying torch's cache
-        (the next engine does that before it sizes its KV cache)."""
+        """Give the engine's memory back now (the runner's tensors, then torch's cache on CUDA). Using the
+        engine afterwards raises ValueError; closing twice does nothing. Dropping the last reference frees
+        the same, short of emptying torch's cache (the next engine does that before it sizes its KV cache)."""
         if self.runner is None:
             return
         if self.cuda:
             torch.cuda.synchronize()  # a step in flight still reads the cache and writes its tokens
         self.runner.close()
-        self.runner = self.scheduler = self.book = self.model = self.tokenizer = None
-        self.inflight = self.readback = None
+        self.runner = self.scheduler = self.book = self.model = self.tokenizer = self.inflight = self.readback = None
         if self.cuda:
             torch.cuda.empty_cache()
 
@@ -884,7 +862,6 @@ class LLM:
         return [done[rid] for rid in ids]
 
     def close(self):
-        """Engine.close: the KV cache, graphs and weights go now; generate then raises ValueError."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -979,32 +956,28 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qw
 # Their weights are random (seeded) and made directly on the device: nothing is downloaded.
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
               max_position_embeddings=40960, eos_token_id=151645)
+_LLAMA3 = dict(architectures=["LlamaForCausalLM"], num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               rms_norm_eps=1e-5, rope_theta=500000.0)
+# Small enough that `run.py overhead` takes seconds on a laptop CPU, big enough to have every part.
+_TINY = dict(_QWEN3, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+             intermediate_size=512, vocab_size=4096, max_position_embeddings=2048, eos_token_id=4095)
 PRESETS = {
-    # Small enough that `run.py overhead` takes seconds on a laptop CPU, big enough to have every part.
-    "tiny": dict(_QWEN3, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                 head_dim=32, intermediate_size=512, vocab_size=4096, max_position_embeddings=2048,
-                 eos_token_id=4095),
-    "tiny-moe": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=256, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=512,
-                     moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                     vocab_size=4096, max_position_embeddings=2048, eos_token_id=4095),
+    "tiny": _TINY,
+    "tiny-moe": dict(_TINY, architectures=["Qwen3MoeForCausalLM"], moe_intermediate_size=128, num_experts=8,
+                     num_experts_per_tok=2, norm_topk_prob=True),
     "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936),
-    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
-                         vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
-                         max_position_embeddings=131072, eos_token_id=[128001, 128008, 128009]),
-    "llama-3-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                       vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                       max_position_embeddings=8192, eos_token_id=128001),
-    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                          num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
-                          tie_word_embeddings=False),
+    "llama-3.2-1b": dict(_LLAMA3, hidden_size=2048, num_hidden_layers=16, head_dim=64, intermediate_size=8192,
+                         tie_word_embeddings=True, max_position_embeddings=131072,
+                         eos_token_id=[128001, 128008, 128009],
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+    "llama-3-8b": dict(_LLAMA3, hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                       tie_word_embeddings=False, max_position_embeddings=8192, eos_token_id=128001),
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          vocab_size=151936, tie_word_embeddings=False),
 }
 
 
@@ -1084,12 +1057,10 @@ class ModelConfig:
                 raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported; "
                                  "nanoengine supports 'default' and 'llama3'")
             scaling = None if kind == "default" else scaling
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
+        heads, eos = cfg["num_attention_heads"], cfg.get("eos_token_id")
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(cfg.get("rope_theta") or 10000.0), rope_scaling=scaling,
@@ -1098,8 +1069,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch.startswith("Qwen3"),
-            num_experts=cfg["num_experts"] if moe else 0,
+            qk_norm=arch.startswith("Qwen3"), num_experts=cfg["num_experts"] if moe else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
@@ -1107,8 +1077,7 @@ class ModelConfig:
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
     def is_moe_layer(self, i: int) -> bool:
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass
@@ -1127,12 +1096,10 @@ class EngineConfig:
     fuse: bool = True                    # fused weights + the kernels (Triton on CUDA, torch references on the CPU)
     triton: bool | None = None           # None: Triton kernels on CUDA; True runs them on the CPU interpreter too
     tuned: bool | str | tuple = True     # Part 2's variants: all (True), none (False), or some by name (TUNED)
-    triton_linear_rows: int | None = None  # tuned linear: matmuls of up to this many rows in Triton (None: by
-                                           # the model, see tuned_ops)
+    triton_linear_rows: int | None = None  # tuned linear: matmuls up to this many rows in Triton (None: by the model)
     triton_narrow_rows: int | None = None  # ... and narrow ones up to this many, if more (None: by the model)
     enforce_eager: bool | None = None    # None: CUDA graphs on CUDA (fused Triton model), eager on the CPU
-    cudagraph_mode: str = "full"         # "full": graphs for decode steps and steps with prompt tokens;
-                                         # "full_decode_only": decode steps only (graphs.py)
+    cudagraph_mode: str = "full"         # graphs for decode and prompt steps; "full_decode_only": decode only
     graph_buckets: tuple | None = None   # decode buckets; None: graphs.default_buckets(max_num_seqs)
     graph_token_buckets: tuple | None = None  # prompt buckets; None: graphs.default_token_buckets(...)
     async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
@@ -1163,8 +1130,7 @@ class EngineConfig:
             self.triton = self.device.startswith("cuda")
         self.tuned = tuned_variants(self.tuned) if self.fuse else frozenset()
         for name in ("triton_linear_rows", "triton_narrow_rows"):
-            rows = getattr(self, name)
-            limit = kernels.LINEAR_MAX_M
+            rows, limit = getattr(self, name), kernels.LINEAR_MAX_M
             require(rows is None or 0 <= rows <= limit, name, rows, f"None or in [0, {limit}]")
         if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
             self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
@@ -1280,8 +1246,7 @@ def init_random(model: Model, seed: int):
 
 
 def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
-    """The model on cfg.device in cfg.dtype, weights loaded or random, fused and with its ops chosen.
-    Returns (model, folder or None)."""
+    """The model on cfg.device in cfg.dtype, weights loaded or random, fused, ops chosen; and its folder or None."""
     hf, folder = read_model_config(cfg.model)
     mcfg = ModelConfig.from_hf(hf, where=f"model={cfg.model!r} config")
     # On the meta device torch imports torch._dynamo the first time; that import leaves cyclic garbage that
@@ -1290,7 +1255,8 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     with torch.device("meta"):  # no memory and no init until the real device is known
         model = Model(mcfg)
     model = model.to(getattr(torch, cfg.dtype)).to_empty(device=cfg.device)
-    model.tie()
+    if mcfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     if folder is None:
         init_random(model, cfg.seed)
     else:
@@ -1382,8 +1348,7 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
 class DecodeRows:
     """A decode batch kept from step to step while the running set is unchanged (scheduler.SteadyDecode):
     every request moves on by one token, so its position, KV slot and sequence length are all +1 and its
-    sampling settings do not change. The arrays are advanced in place; a row whose new token starts a
-    block takes it from the plan. The settings, query_start_loc and logits_indices are staged once."""
+    sampling settings do not change. The settings, query_start_loc and logits_indices are staged once."""
     steady: object                 # the SteadyDecode these rows follow
     step: int                      # the scheduler step the arrays hold
     rows: np.ndarray               # (n,) each request's persistent row
@@ -1423,22 +1388,17 @@ class SteadyInputBuilder(InputBuilder):
     def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
         if out.steady is None:
             return super().prepare(out)
-        kept = None if out.requests is self.prev_sampling else self._kept(out)
-        if out.requests is self.prev_sampling or kept is not None:
-            return self._prepare_steady(out, kept)
+        if out.requests is self.prev_sampling:
+            return self._prepare_steady(out, None)
+        prev = self.prev_steady  # some requests of last step's steady decode may have left it since
+        if prev is not None and prev is not out.steady and self.prev_sampling is prev.requests:
+            kept = out.steady.kept_of(prev)  # last step's indices of the requests out decodes, or None
+            if kept is not None:  # their tokens are only in last step's output
+                return self._prepare_steady(out, kept)
         return self._prepare_formed(out)
 
-    def _kept(self, out) -> np.ndarray | None:
-        """Where some requests of last step's steady decode have left it since: last step's indices of the
-        requests `out` decodes (their tokens are only in last step's output); else None."""
-        prev = self.prev_steady
-        if prev is None or prev is out.steady or self.prev_sampling is not prev.requests:
-            return None
-        return out.steady.kept_of(prev)
-
     def _prepare_steady(self, out, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
-        """A decode of the same requests as last step, or of those still running (last step's indices
-        `kept`): inputs are last step's sampled tokens, the rest is last step's batch one token on."""
+        """A decode of last step's requests, or of those still running (last step's indices `kept`)."""
         d = self.decode
         assert d is not None and d.steady is (out.steady if kept is None else self.prev_steady) and \
             d.step == out.step - 1, f"step {out.step}: the decode rows do not follow last step's set"
@@ -1472,8 +1432,7 @@ class SteadyInputBuilder(InputBuilder):
 
     @staticmethod
     def _rows_batch(d: DecodeRows, input_ids, positions, slots, counters, block_table) -> Batch:
-        """The Batch of a steady decode's rows; the counters (the sampled token's index, = the sequence
-        length) are the sampler's too."""
+        """The Batch of a steady decode's rows; its counters (= the sequence lengths) are the sampler's too."""
         d.sampling.counters = counters
         return Batch(input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=d.query_start_loc,
                      seq_lens=counters, block_table=block_table, logits_indices=d.logits_indices, max_query_len=1,
