@@ -90,17 +90,23 @@ def _add_rmsnorm_kernel(
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_add_rmsnorm_args(x, residual, weight, weight_name: str = "weight") -> None:
+    """add_rmsnorm's inputs; add_rmsnorm_linear (Part 2), which reads the same, checks them here too."""
+    if x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"x must have a contiguous last dim and {weight_name} shape ({x.shape[-1]},), got x "
+                         f"strides {tuple(x.stride())} and {weight_name} {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                         f"{tuple(residual.shape)} strides {tuple(residual.stride())} {residual.dtype}")
+
+
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual) for x [..., D]. The sum is written IN PLACE into
     `residual` (contiguous), which is returned. residual None (the first layer): (rmsnorm(x) * weight, x)."""
+    _check_add_rmsnorm_args(x, residual, weight)
     dim = x.shape[-1]
-    if x.stride(-1) != 1 or weight.shape != (dim,):
-        raise ValueError(f"x must have a contiguous last dim and weight shape ({dim},), got x strides "
-                         f"{tuple(x.stride())} and weight {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
-        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)}, got "
-                         f"{tuple(residual.shape)} strides {tuple(residual.stride())}")
     x2 = x.reshape(-1, dim)  # [N, D]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = x2.shape[0]
@@ -930,12 +936,7 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     weight rows (each program re-reads x, the residual and the norm weight); else add_rmsnorm, then linear.
     Unlike add_rmsnorm it leaves `residual` as it was (every program reads it while program 0 writes the sum)."""
     _check_linear_args(x, weight, bias, gated)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or not residual.is_contiguous()):
-        raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
-                         f"{tuple(residual.shape)} strides {tuple(residual.stride())} {residual.dtype}")
-    if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"norm_weight must have shape ({x.shape[-1]},), got {tuple(norm_weight.shape)}")
+    _check_add_rmsnorm_args(x, residual, norm_weight, "norm_weight")
     x2, n = x.reshape(-1, x.shape[-1]), weight.shape[0]
     blocks = linear_blocks(1, n, x.shape[-1], x.element_size(), gated) if x2.shape[0] == 1 and max_rows else None
     if blocks is None or blocks[1] < LINEAR_NORM_MIN_BLOCK_N:

@@ -872,6 +872,8 @@ def test_kernel_add_rmsnorm_strided_rows():
         kernels.add_rmsnorm(wide.t(), None, _randn(6, seed=6), 1e-6)
     with pytest.raises(ValueError, match="residual must be contiguous"):
         kernels.add_rmsnorm(x, _randn(48, 6, seed=7).t(), w, 1e-6)
+    with pytest.raises(ValueError, match="residual must be contiguous .* dtype torch.float32, got .* torch.float64"):
+        kernels.add_rmsnorm(x, _randn(6, 48, seed=7).double(), w, 1e-6)  # its sum would be stored as x's dtype
 
 
 @pytest.mark.parametrize("add", [False, True])
