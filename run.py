@@ -312,8 +312,8 @@ def cmd_online(a):
     r = drive(engine, load, a.output_len)
     compiles.stop()
     times, out_tokens = r["times"], sum(len(t) for _, t in r["times"])
-    decode_steps = [s for s, prompt in engine.stats.step_seconds() if not prompt]
-    prompt_steps = [s for s, prompt in engine.stats.step_seconds() if prompt]
+    steps = engine.stats.step_seconds()  # waits for the last step's end event, once
+    decode_steps, prompt_steps = [s for s, prompt in steps if not prompt], [s for s, prompt in steps if prompt]
     emit(dict(model=a.model, device=torch.cuda.get_device_name() if engine.cuda else "cpu", requests=a.requests,
               rate=None if a.burst else a.rate, burst=a.burst, prompt_tokens=f"uniform {a.min_prompt}-{a.max_prompt}",
               output_tokens_each=a.output_len, tuned=",".join(sorted(engine.cfg.tuned)),
