@@ -737,6 +737,18 @@ def _wait_hold_next(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def _prefetch_l2(base_ptr, row_offs, row_ok, row_len, BLOCK: tl.constexpr):
+    """Ask L2 for elements [0, min(row_len, BLOCK)) of the row_ok rows at base_ptr + row_offs [R, 1], one
+    prefetch.global.L2 per 128-byte line, which no register waits for. Only for tiles that are a short part of
+    each row: a whole kernel's rows fetched early take the bandwidth the kernel before still needs. CUDA only."""
+    LINE: tl.constexpr = 1024 // base_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    offs = tl.arange(0, (BLOCK + LINE - 1) // LINE) * LINE
+    ptrs = base_ptr + tl.where(row_ok[:, None] & (offs[None, :] < row_len), row_offs + offs[None, :], 0)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @functools.lru_cache(maxsize=None)
 def _tickets(device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters for _last_to_finish, one buffer per device, made on the first (eager) call: ordinary
@@ -782,11 +794,11 @@ def _linear_kernel(
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # see _wait_for_inputs
+    PREFETCH: tl.constexpr,  # with PDL: ask L2 for the first weight tile before the wait (_prefetch_l2)
 ):
     # A program owns BLOCK_N outputs for BLOCK_M rows. With all rows in one block the weight is read from
     # memory exactly once; x (a few KB) is read again by every program, from L2. The programs that share a
     # weight tile (one per row block) are numbered side by side, so all but the first find it in L2.
-    _wait_for_inputs(PDL)
     row_blocks = tl.cdiv(num_rows, BLOCK_M)
     pid = tl.program_id(0)
     if GATED:
@@ -802,8 +814,12 @@ def _linear_kernel(
     col_ok = cols < outs
     rows = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
-    w_rows = weight_ptr + w_rows_of.to(tl.int64)[:, None] * in_features  # [BLOCK_N, 1]
+    w_offs = w_rows_of.to(tl.int64)[:, None] * in_features  # [BLOCK_N, 1]
+    w_rows = weight_ptr + w_offs
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm  # [BLOCK_M]
+    if PDL and PREFETCH:  # no kernel writes a weight: its first tile may move while the kernel before runs
+        _prefetch_l2(weight_ptr, w_offs, col_ok, in_features, BLOCK_K)
+    _wait_for_inputs(PDL)
     if USE_DOT:  # out.T = weight @ x.T: the weight tile is the MMA's tall operand, x pads to 16 columns
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -898,7 +914,7 @@ def _launch_linear(x2, weight, bias, out, blocks, pdl: bool, gated=False, residu
         m, n, k, x2.stride(0), eps, HAS_BIAS=bias is not None, GATED=gated, NORM=norm_weight is not None,
         ADD=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        num_stages=num_stages, **_launch_options(pdl))
+        num_stages=num_stages, PREFETCH=block_k < LINEAR_LONG_K, **_launch_options(pdl))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int = LINEAR_MAX_M,
@@ -1017,46 +1033,63 @@ def _decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # see _wait_for_inputs; the next kernel launches as this one exits (_wait_hold_next)
 ):
-    _wait_hold_next(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1) << PACK_SHIFT  # the first of this program's kv heads
     split = tl.program_id(2)
+    # What the host staged (no kernel writes it) is loaded before the wait: under PDL it is on its way while
+    # the q/k/v matmul still runs, and only q, k and v wait for it. A split with no keys exits at once.
     seq_len = tl.load(seq_lens_ptr + req)
+    # With ROPE the new token (the context's last) comes from registers: the cache walk stops before it.
+    kv_end = seq_len
+    if ROPE:
+        kv_end = tl.maximum(seq_len - 1, 0)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
+    if SPLIT:
+        # The split count was fixed for the longest context the block table holds; this context uses as
+        # many as its keys fill at MIN_SPLIT_TILES each (at least one), and the rest exit here.
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+        splits_used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+        if split >= splits_used:
+            return
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        splits_used, tile_lo, tile_hi = 1, 0, num_tiles
+    dims = tl.arange(0, HEAD_DIM)
+    if ROPE:  # the new token's position and slot, and cos and sin there
+        pos = tl.load(positions_ptr + req).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims % (HEAD_DIM // 2))
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + dims % (HEAD_DIM // 2))
+    _wait_hold_next(PDL)
     rows = tl.arange(0, BLOCK_M)
     # Row r is query head r % GROUP_PAD of packed kv head row_head; rows past the packed heads are padding.
     row_head = (rows // GROUP_PAD) & ((1 << PACK_SHIFT) - 1)
     row_ok = (rows // GROUP_PAD < (1 << PACK_SHIFT)) & (rows % GROUP_PAD < GROUP)
     head = (kv_head + row_head) * GROUP + rows % GROUP_PAD
-    dims = tl.arange(0, HEAD_DIM)
     q_rows = q_ptr + req.to(tl.int64) * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
     m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    kv_end = seq_len  # every key of the context is visible to the newest token
     if ROPE:
-        # The new token is the context's last (position seq_len - 1). Its query heads are rotated here, and
-        # its key and value are used from registers: the cache walk stops before it, so no program waits
-        # for it to reach memory. Split 0 writes them to the cache for later steps.
-        kv_end = tl.maximum(seq_len - 1, 0)
-        pos = tl.load(positions_ptr + req).to(tl.int64)
+        # The new token is at position seq_len - 1. Its query heads are rotated here, and its key and value
+        # are used from registers, so no program waits for them to reach memory. Split 0 writes them to the
+        # cache for later steps.
         swap = (dims + HEAD_DIM // 2) % HEAD_DIM
-        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims % (HEAD_DIM // 2))
-        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + dims % (HEAD_DIM // 2))
         sin = tl.where(dims < HEAD_DIM // 2, -sin, sin)  # rotate_half(x) = [-x2, x1]
         q = _rope_tile(tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0),
                        tl.load(q_rows + swap[None, :], mask=row_ok[:, None], other=0.0),
                        swap, q_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(q_ptr.dtype.element_ty)
-        # The new key and value of each row's kv head: [1, D], or packed, one per row [BLOCK_M, D]
-        if PACK_SHIFT > 0:
-            kv_of = (kv_head + row_head)[:, None]
-        else:
-            kv_of = tl.zeros([1, 1], dtype=tl.int32) + kv_head
-        k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
-        k = _rope_tile(tl.load(k_row + dims[None, :]), tl.load(k_row + swap[None, :]), swap, k_norm_ptr, cos,
-                       sin, eps, HEAD_DIM, HAS_NORM).to(k_cache_ptr.dtype.element_ty)
-        v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_of * stride_vh + dims[None, :])
         if split == 0:
-            slot = tl.load(slot_mapping_ptr + req).to(tl.int64)
+            # The new key and value of each row's kv head: [1, D], or packed, one per row [BLOCK_M, D]
+            if PACK_SHIFT > 0:
+                kv_of = (kv_head + row_head)[:, None]
+            else:
+                kv_of = tl.zeros([1, 1], dtype=tl.int32) + kv_head
+            k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
+            k = _rope_tile(tl.load(k_row + dims[None, :]), tl.load(k_row + swap[None, :]), swap, k_norm_ptr, cos,
+                           sin, eps, HEAD_DIM, HAS_NORM).to(k_cache_ptr.dtype.element_ty)
+            v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_of * stride_vh + dims[None, :])
             slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows write to the scratch block
             slot_ptr = slot * stride_cache_tok + kv_of * stride_cache_head + dims[None, :]
             if PACK_SHIFT > 0:  # the first query row of each packed kv head writes it
@@ -1072,18 +1105,6 @@ def _decode_attention_kernel(
                 acc += v.to(tl.float32)
     else:
         q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
-    if SPLIT:
-        # The split count was fixed for the longest context the block table holds; this context uses as
-        # many as its keys fill at MIN_SPLIT_TILES each (at least one), and the rest exit here.
-        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
-        splits_used = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
-        if split >= splits_used:
-            return
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    else:
-        splits_used, tile_lo, tile_hi = 1, 0, num_tiles
     # Column c of a key tile is key c >> PACK_SHIFT in packed kv head c & (2^PACK_SHIFT - 1): a key's kv
     # heads sit side by side in the cache, so a packed tile reads runs of 2^PACK_SHIFT * D elements.
     cols = tl.arange(0, BLOCK_N)

@@ -82,11 +82,11 @@ named here fails test_the_index_names_every_test.
         test_gpu_fused_forward_never_syncs, test_gpu_triton_float32_matches_reference,
         test_gpu_async_loop_never_syncs_but_for_its_event, test_gpu_async_equals_sync_with_graphs
   run.py: the command line
-    the overhead ladder, floors, help, generate (--stream), bench, profile, online, bad input in one line
+    the overhead ladder, floors, help, generate (--stream), bench, online, bad input in one line
         test_cli_overhead_prints_every_configuration, test_cli_floors_use_the_bandwidth_given_or_measured,
-        test_cli_help_states_every_default_and_each_command_its_time, test_cli_generate_and_bench_and_profile,
+        test_cli_help_states_every_default_and_each_command_its_time, test_cli_generate_and_bench,
         test_cli_generate_stream_prints_the_same_ids, test_cli_online_reports_latency_percentiles,
-        test_profile_summary_splits_idle_time, test_cli_bad_input_is_one_line,
+        test_cli_bad_input_is_one_line,
         test_gpu_online_compiles_nothing_after_warm_up
   Guards on tuning decisions (Part 2: each variant computes what it replaces, on the path it says)
     EngineConfig.tuned: names, and what each variant swaps
@@ -2712,7 +2712,7 @@ def test_cli_floors_use_the_bandwidth_given_or_measured():
 def test_cli_help_states_every_default_and_each_command_its_time():
     run_py = import_run()
     commands = next(a for a in run_py.make_parser()._actions if a.dest == "cmd").choices
-    assert set(commands) == {"generate", "overhead", "bench", "online", "profile"}
+    assert set(commands) == {"generate", "overhead", "bench", "online"}
     for name, parser in commands.items():
         assert "CPU: ~" in parser.description or "H200" in parser.description, name
         for action in parser._actions:
@@ -2725,7 +2725,7 @@ def test_cli_help_states_every_default_and_each_command_its_time():
     assert run_py.make_parser().parse_args(["generate", "--tuned=-pdl"]).tuned == "-pdl"
 
 
-def test_cli_generate_and_bench_and_profile(tmp_path):
+def test_cli_generate_and_bench():
     r = cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and len(rec["token_ids"]) == 4 and rec["finish_reason"] == "length" and rec["ttft_s"] > 0
@@ -2735,8 +2735,6 @@ def test_cli_generate_and_bench_and_profile(tmp_path):
     assert rec["bandwidth_source"] == "measured" and "bench: warm-up" in r.stderr
     r = cli("bench", "--min-len", "300")  # past the CPU's default --max-len
     assert r.returncode == 2 and "--min-len 300 is more than --max-len 128" in r.stderr, r.stderr
-    r = cli("profile", "--requests", "2", "--steps", "2", "--configs", "fused", "--out", str(tmp_path))
-    assert r.returncode == 0 and os.path.exists(json.loads(r.stdout)["trace"])
 
 
 def test_cli_generate_stream_prints_the_same_ids():
@@ -2765,27 +2763,6 @@ def test_cli_online_reports_latency_percentiles():
     assert rec["decode_step_ms"]["n"] > 0 and rec["prompt_step_ms"]["n"] > 0
     assert rec["compiles_during_run"] is None and rec["join_step_ms"]["median"] > 0
     assert "online: warm-up" in r.stderr and not [x for x in r.stderr.splitlines() if is_json(x)]
-
-
-def test_profile_summary_splits_idle_time(tmp_path):
-    """Two steps of kernels: 1 us gaps inside a step, a 10 us wait between them."""
-    run_py = import_run()
-    k = lambda name, ts, dur: dict(cat="kernel", name=name, ts=ts, dur=dur)
-    trace = [k("gemm", 0, 4), k("norm", 5, 1), k("gemm", 16, 4), k("norm", 21, 1), dict(cat="cpu_op", ts=0)]
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": trace}))
-    s = run_py.trace_summary(str(path), steps=2, cuda=True)  # span 22 us, busy 10, idle 1 + 10 + 1
-    assert s["kernels_per_step"] == 2 and s["gpu_busy"] == round(10 / 22, 4)
-    assert s["idle_between_steps_pct"] == round(100 * 10 / 22, 2)
-    assert s["idle_within_steps_pct"] == round(100 * 2 / 22, 2)
-    assert s["top_kernels_us_per_step"] == {"gemm": 4.0, "norm": 1.0}
-    # Programmatic dependent launch: each norm starts 2 us before its gemm ends and waits; it is charged
-    # only its own 1 us, and the overlap is busy time once.
-    trace = [k("gemm", 0, 4), k("norm", 2, 3), k("gemm", 16, 4), k("norm", 18, 3)]
-    path.write_text(json.dumps({"traceEvents": trace}))
-    s = run_py.trace_summary(str(path), steps=2, cuda=True)  # span 21 us, busy 10
-    assert s["gpu_busy"] == round(10 / 21, 4)
-    assert s["top_kernels_us_per_step"] == {"gemm": 4.0, "norm": 1.0}
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -2993,11 +2970,12 @@ PTX_CASES = ["add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", 
 @pytest.mark.parametrize("case", PTX_CASES)
 def test_kernels_compile_for_sm90_and_wait_before_any_load(h200_ptx, case):
     """Each kernel a launcher starts compiles for an H200, where the compiler is stricter than the CPU's
-    interpreter (only tl.constexpr globals, loop-carried variables of one type). Under PDL the first thing a
-    kernel does is griddepcontrol.wait: nothing is loaded (or prefetched, or stored) before it, since the
-    kernel before may still be writing. Every kernel then lets the next one launch
-    (griddepcontrol.launch_dependents), but decode attention: the o matmul after it launches as its programs
-    exit, rather than piled onto the first SMs they free (kernels._wait_hold_next)."""
+    interpreter (only tl.constexpr globals, loop-carried variables of one type). Under PDL a kernel touches
+    no memory before griddepcontrol.wait, since the kernel before may still be writing, but for what no kernel
+    writes: linear prefetches its first weight tile into L2 (short rows only), decode attention loads what the
+    host staged. Every kernel then lets the next one launch (griddepcontrol.launch_dependents), but decode
+    attention: the o matmul after it launches as its programs exit, rather than piled onto the first SMs they
+    free (kernels._wait_hold_next)."""
     compiled = h200_ptx[case]
     assert compiled, f"{case}: no kernel launched"
     for name, out in compiled.items():
@@ -3007,7 +2985,11 @@ def test_kernels_compile_for_sm90_and_wait_before_any_load(h200_ptx, case):
         assert wait >= 0, f"{name} never waits for its inputs"
         early = [line.strip() for line in body[:wait].splitlines()
                  if re.search(r"\b(ld\.global|ld\.shared|prefetch|st\.global|atom|cp\.async)", line)]
-        assert not early, f"{name} touches memory before griddepcontrol.wait: {early[:3]}"
+        allowed = {"_linear_kernel": "prefetch.global.L2", "_decode_attention_kernel": "ld.global"}.get(name)
+        assert all(allowed and allowed in line for line in early), \
+            f"{name} touches memory before griddepcontrol.wait: {early[:3]}"
+        if case in ("linear", "decode_attention_rope_inside"):  # the early loads are there, not lost to a refactor
+            assert early, f"{name} loads nothing before griddepcontrol.wait"
         releases = "griddepcontrol.launch_dependents" in body[wait:]
         assert releases == (name != "_decode_attention_kernel"), name
         assert "griddepcontrol.launch_dependents" not in body[:wait], f"{name} releases the next kernel before it waits"
