@@ -4,7 +4,6 @@
     python run.py generate --prompt-ids 1,2,3 --max-tokens 16 [--stream]
     python run.py bench                           # offline throughput, nano-vllm's protocol
     python run.py online --rate 16 --requests 200 # Poisson arrivals: TTFT, TPOT, ITL, end-to-end latency
-    python run.py profile --requests 64           # Chrome traces of a few decode steps per configuration
 
 Results go to stdout as JSON lines (generate's text, unless --json), progress to stderr. Bad input prints one
 line naming the problem and exits with status 2. On the CPU the defaults are smaller where a command would take
@@ -14,7 +13,6 @@ import argparse
 import collections
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -36,8 +34,6 @@ DEVICE_DEFAULTS = dict(num_requests=(256, 64), min_len=(100, 16), max_len=(1024,
                        requests=(200, 24), min_prompt=(256, 16), max_prompt=(1024, 64),
                        output_len=(128, 16), join_prompt_len=(1024, 256))  # online
 PROGRESS_S = 5.0  # seconds between progress lines of the long runs
-TOP_KERNELS = 6  # kernels named in a profile's summary
-STEP_GAP_US = 2.0  # longer than any launch-to-launch gap inside a replayed graph (measured 0.5-1 us)
 
 # The ladder: name -> engine settings, each adding one technique to the row above. Graphs need CUDA.
 CONFIGS = {
@@ -504,54 +500,6 @@ def profile_steps(engine: Engine, prompts, warmup: int, steps: int, activities):
     return prof
 
 
-def cmd_profile(a):
-    """Chrome traces of a few decode steps per configuration (open them in Perfetto), each summarised."""
-    cuda = device_of(a).startswith("cuda")
-    os.makedirs(a.out, exist_ok=True)
-    for name in ladder(a, cuda):
-        engine = make_engine(name, engine_settings(a, max_num_seqs=a.requests, **CONFIGS[name]))
-        note(f"{name}: prefill and 8 steps, then {a.steps} traced decode steps ...")
-        prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
-        # On CUDA, kernels only unless asked: tracing every CPU op slows the host several-fold, and with it
-        # the very idle time between steps that the summary measures.
-        on_cuda = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if a.with_cpu else [ProfilerActivity.CUDA]
-        prof = profile_steps(engine, prompts, 8, a.steps, on_cuda if cuda else [ProfilerActivity.CPU])
-        path = os.path.join(a.out, f"{a.model}-{a.requests}-{name.replace('+', '_')}.json")
-        prof.export_chrome_trace(path)
-        emit(dict(config=name, requests=a.requests, trace=path, **trace_summary(path, a.steps, cuda)))
-        engine.close()
-
-
-def trace_summary(path: str, steps: int, cuda: bool) -> dict:
-    """From the Chrome trace: GPU kernels per step, busy fraction of the traced span, and the idle time split
-    in two: gaps under STEP_GAP_US are kernel-to-kernel latency inside a step, longer ones the GPU waiting
-    for the host (the idle between steps). A kernel is charged only the time no earlier kernel was still
-    running: under programmatic dependent launch the next kernel starts, and waits, before this one ends."""
-    if not cuda:
-        return dict(note="CPU run: no GPU timeline")
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    kernel_events = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
-    if not kernel_events:
-        return dict(note="no kernels in the trace")
-    by_name, busy, gaps, end = collections.Counter(), 0.0, [], kernel_events[0]["ts"]
-    for ev in kernel_events:  # merge overlaps; a gap is time with no kernel running
-        s, e = ev["ts"], ev["ts"] + ev["dur"]
-        if s > end:
-            gaps.append(s - end)
-        own = max(0.0, e - max(s, end))
-        busy += own
-        by_name[ev["name"][:60]] += own
-        end = max(end, e)
-    span = end - kernel_events[0]["ts"]
-    waiting = sum(g for g in gaps if g >= STEP_GAP_US)
-    return dict(kernels_per_step=round(len(kernel_events) / steps, 1), gpu_busy=round(busy / span, 4),
-                gpu_idle_pct=round(100 * (1 - busy / span), 2), idle_between_steps_pct=round(100 * waiting / span, 2),
-                idle_within_steps_pct=round(100 * (span - busy - waiting) / span, 2),
-                mean_gap_us=round(sum(gaps) / max(len(gaps), 1), 2), span_ms_per_step=round(span / steps / 1e3, 3),
-                top_kernels_us_per_step={n: round(us / steps, 1) for n, us in by_name.most_common(TOP_KERNELS)})
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The command line
 class Parser(argparse.ArgumentParser):
@@ -597,7 +545,7 @@ def make_parser() -> Parser:
                         "(default: measured by a large copy, under a second; an H200 measures about 4.27e12)")
     eager = Parser(add_help=False)
     eager.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (default: off)")
-    batch = Parser(add_help=False)  # overhead and profile: one batch under each configuration of the ladder
+    batch = Parser(add_help=False)  # overhead: one batch under each configuration of the ladder
     batch.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
     batch.add_argument("--prompt-len", type=positive, default=32, help="tokens in each prompt (default: %(default)s)")
     batch.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (default: "
@@ -645,18 +593,13 @@ def make_parser() -> Parser:
                    help="tokens per step: longer prompts are chunked (default: %(default)s)")
     n.add_argument("--cudagraph-mode", default="full",
                    help="full: graphs for every step; full_decode_only: decode steps only (default: %(default)s)")
-    r = command("profile", "Chrome traces of decode steps per configuration (2-core CPU: ~1 min)", batch)
-    r.add_argument("--steps", type=positive, default=10, help="decode steps traced (default: %(default)s)")
-    r.add_argument("--out", default="traces", help="folder for the traces (default: %(default)s)")
-    r.add_argument("--with-cpu", action="store_true", help="on CUDA, trace host ops too, slowing it (default: off)")
     return p
 
 
 def main(argv=None):
     a = make_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "overhead": cmd_overhead, "bench": cmd_bench, "online": cmd_online,
-         "profile": cmd_profile}[a.cmd](a)
+        {"generate": cmd_generate, "overhead": cmd_overhead, "bench": cmd_bench, "online": cmd_online}[a.cmd](a)
     except (ValueError, TypeError, OSError) as e:  # bad input (or a path it names): one line, no traceback
         print(f"run.py {a.cmd}: error: {e}", file=sys.stderr)
         sys.exit(2)
