@@ -47,9 +47,7 @@ class GraphRunner:
                  buckets: list[int], token_buckets: list[int], capture: bool):
         self.model, self.kv_cache, self.capture_graphs = model, kv_cache, capture
         self.buckets, self.token_buckets = sorted(set(buckets)), sorted(set(token_buckets))
-        if self.buckets[0] < 1 or (self.token_buckets and self.token_buckets[0] < 1):
-            raise ValueError(f"graph_buckets={self.buckets} and graph_token_buckets={self.token_buckets} are "
-                             "invalid: sizes must be >= 1")
+        assert min(self.buckets + self.token_buckets) >= 1, f"bucket sizes {self.buckets}, {self.token_buckets}"
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]  # the longest context the block table holds
         hkv = kv_cache.shape[4]
         # Each decode bucket's graphs, by the longest context each serves: the model's bounds, then any.
@@ -174,6 +172,4 @@ class GraphRunner:
             self.graphs[key].replay()
         else:
             self.forward(key)
-        if kind == "decode":
-            return self.logits[:B]
-        return self.model.compute_logits(self.hidden[batch.logits_indices])
+        return self.logits[:B] if kind == "decode" else self.model.compute_logits(self.hidden[batch.logits_indices])

@@ -82,7 +82,8 @@ def make_engine(label: str, settings: dict) -> Engine:
     t0 = time.perf_counter()
     engine = Engine(cfg)
     g = engine.runner.graphs
-    captured = f", {len(g.graphs)} graphs in {g.capture_seconds:.1f} s" if g is not None and g.graphs else ""
+    captured = f", {len(g.graphs)} graphs in {g.capture_seconds:.1f} s, {g.capture_bytes / 2**20:.0f} MiB" \
+        if g is not None and g.graphs else ""
     note(f"{label}: ready in {time.perf_counter() - t0:.1f} s ({engine.book.blocks.num_blocks} KV blocks{captured})")
     return engine
 
@@ -118,11 +119,6 @@ def sync_device(device: str):
         torch.cuda.synchronize()
 
 
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
-
-
 def stepper(engine: Engine):
     return engine.step_async if engine.cfg.async_scheduling else engine.step
 
@@ -156,7 +152,8 @@ def cmd_overhead(a):
     header, records, reference, fused_reference = None, [], None, None
     for name in names:
         engine = make_engine(name, engine_settings(a, max_num_seqs=slots, **CONFIGS[name]))
-        prompts = random_prompts(a.requests, a.prompt_len, engine.model.config.vocab_size, a.seed)
+        rng, vocab = random.Random(a.seed), engine.model.config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(a.requests)]
         note(f"{name}: warm-up, then {a.requests} requests x {a.new_tokens} tokens ...")
         run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=3, output_kind="final_only"))
         r = run_engine(engine, prompts, params)
@@ -227,8 +224,7 @@ def run_engine(engine: Engine, prompts, params) -> dict:
     ids = [engine.add_request(p, params) for p in prompts]
     step, done = stepper(engine), {}
     while engine.has_unfinished():  # prefill, untimed
-        for o in step():
-            done[o.request_id] = o
+        done.update({o.request_id: o for o in step()})
         if all(r.num_output_tokens > 0 for r in engine.book.requests.values()):
             break
     sync_device(engine.cfg.device)
@@ -239,8 +235,7 @@ def run_engine(engine: Engine, prompts, params) -> dict:
         graphs.rows_run = graphs.rows_real = 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
-        for o in step():
-            done[o.request_id] = o
+        done.update({o.request_id: o for o in step()})
     sync_device(engine.cfg.device)
     st = engine.stats
     return dict(outputs=[done[i].token_ids for i in ids], wall=time.perf_counter() - t0, steps=st.steps,
@@ -272,8 +267,21 @@ def launch_costs() -> dict:
 def launch_model(engine: Engine, prompts, floor_ms: float, tau: dict, steps: int = 5) -> dict:
     """The launch model beside the measured step: eager ~ T_compute + N tau (each of the step's N kernels
     launched from Python), graphed ~ T_compute + tau (one replay), with T_compute the floor. N is counted
-    with the profiler over a few more decode steps of the same requests."""
-    prof = profile_steps(engine, prompts, 3, steps, [ProfilerActivity.CUDA])
+    with the profiler over `steps` decode steps of the prompts' requests, after 3 untraced ones (prefill among
+    them); with 12 tokens to spare, every traced step decodes all of them."""
+    params = SamplingParams(temperature=0, max_tokens=3 + steps + 12, ignore_eos=True, output_kind="final_only")
+    for p in prompts:
+        engine.add_request(p, params)
+    step = stepper(engine)
+    for _ in range(3):
+        step()
+    sync_device(engine.cfg.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync_device(engine.cfg.device)
+    while engine.has_unfinished():
+        step()
     n = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
             for e in prof.events()) / steps
     graphed = engine.runner.graphs is not None
@@ -391,7 +399,7 @@ class CompileCounter:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# run.py generate, bench, profile
+# run.py generate and bench
 def cmd_generate(a):
     if (a.prompt is None) == (a.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
@@ -481,25 +489,6 @@ def bench_floor(engine: Engine, reqs, bandwidth: float) -> float:
     return (engine.stats.steps * param_bytes(engine.model) + kv) / bandwidth
 
 
-def profile_steps(engine: Engine, prompts, warmup: int, steps: int, activities):
-    """torch.profiler over `steps` steps of the prompts' requests, after `warmup` untraced ones (prefill among them),
-    then the requests run out. They have 12 tokens to spare, so every traced step decodes all of them."""
-    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 12, ignore_eos=True, output_kind="final_only")
-    for p in prompts:
-        engine.add_request(p, params)
-    step = stepper(engine)
-    for _ in range(warmup):
-        step()
-    sync_device(engine.cfg.device)
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        sync_device(engine.cfg.device)
-    while engine.has_unfinished():
-        step()
-    return prof
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The command line
 class Parser(argparse.ArgumentParser):
@@ -545,11 +534,6 @@ def make_parser() -> Parser:
                         "(default: measured by a large copy, under a second; an H200 measures about 4.27e12)")
     eager = Parser(add_help=False)
     eager.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (default: off)")
-    batch = Parser(add_help=False)  # overhead: one batch under each configuration of the ladder
-    batch.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
-    batch.add_argument("--prompt-len", type=positive, default=32, help="tokens in each prompt (default: %(default)s)")
-    batch.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (default: "
-                       f"{','.join(CPU_CONFIGS)} on the CPU, {','.join(CUDA_CONFIGS)} on CUDA)")
     load = Parser(add_help=False)  # bench and online: many requests through the scheduler
     load.add_argument("--max-num-seqs", type=positive, default=256, help="most requests a step (default: %(default)s)")
     load.add_argument("--sync", action="store_true", help="sync scheduling (default: off, async)")
@@ -568,7 +552,11 @@ def make_parser() -> Parser:
     g.add_argument("--json", action="store_true", help="one JSON line: ids, text, finish reason, TTFT (default: off)")
     g.add_argument("--stream", action="store_true", help="print each token as it reaches the host (default: off)")
     o = command("overhead", "decode a batch under each rung of the ladder: a JSON header line (the bandwidth floor "
-                "of a step), then one line per configuration (2-core CPU: ~1 min)", rows, floors, batch)
+                "of a step), then one line per configuration (2-core CPU: ~1 min)", rows, floors)
+    o.add_argument("--requests", type=positive, default=16, help="requests decoded together (default: %(default)s)")
+    o.add_argument("--prompt-len", type=positive, default=32, help="tokens in each prompt (default: %(default)s)")
+    o.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (default: "
+                   f"{','.join(CPU_CONFIGS)} on the CPU, {','.join(CUDA_CONFIGS)} on CUDA)")
     o.add_argument("--slots", type=positive, help="max_num_seqs: most requests a step (default: --requests)")
     o.add_argument("--new-tokens", type=positive, default=64, help="output tokens a request (default: %(default)s)")
     o.add_argument("--num-blocks", type=positive, help="KV cache blocks of 16 tokens (default: 512 MiB of cache on the "

@@ -106,9 +106,7 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """The generated tokens the host has (without the ones still in flight)."""
         ids = self.token_ids[self.num_prompt_tokens:]
-        while ids and ids[-1] == PLACEHOLDER:
-            ids = ids[:-1]
-        return ids
+        return ids[:ids.index(PLACEHOLDER)] if PLACEHOLDER in ids else ids
 
 
 def block_key(parent: int, tokens) -> tuple:
@@ -327,7 +325,6 @@ class RequestBook:
         return report + self._finish_ended(ended)
 
     def _finish_ended(self, ended: list[tuple[Request, int, int]]) -> list[Request]:
-        """Finish each (request, index, token) whose token ends it. Returns them."""
         if not ended:
             return []
         for req, i, token in ended:
@@ -364,10 +361,7 @@ class RequestBook:
         self.blocks.release([req])
         self.on_release(req)
         req.num_computed_tokens, req.status = 0, WAITING
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].arrival < req.arrival:
-            i += 1
-        self.waiting.insert(i, req)
+        self.waiting.insert(sum(r.arrival < req.arrival for r in self.waiting), req)  # waiting is in arrival order
 
 
 class Scheduler:
@@ -453,10 +447,8 @@ class Scheduler:
 
     def _victim(self, req: Request) -> Request:
         """The most recently arrived running request not already in this step; req itself if none."""
-        for r in sorted(self.book.running, key=lambda r: r.arrival, reverse=True):
-            if r is not req and r.last_step != self.step_id:
-                return r
-        return req
+        candidates = [r for r in self.book.running if r is not req and r.last_step != self.step_id]
+        return max(candidates, key=lambda r: r.arrival, default=req)
 
     def _preempt(self, req: Request):
         self._preempted = True
@@ -527,10 +519,8 @@ def others(n: int, index: np.ndarray) -> np.ndarray:
 class SteadyDecode:
     """The running set as numpy arrays, for the steps that only move every request on by one token.
 
-    Most steps are the last step's plan one token later: the same requests, each computing the token it sampled
-    last. Each pass over the requests in Python costs tens of microseconds at 256 requests, so when a step decodes
-    the whole running set its counts are copied into arrays here, and while that set stays the same a step is
-    planned with one numpy operation (counts + 1). Only the steps where someone needs more than +1 visit requests.
+    Most steps are the last step's plan one token later, so while the running set stays the same its counts live in
+    arrays here, and a step is planned with one numpy operation (counts + 1), not a pass over the requests in Python.
 
     While it stands, its arrays are the truth about its requests (counts, tokens sampled, blocks handed out); they
     get it all back when the set is dropped (hand_back), before anything reads them: only the general path and a
