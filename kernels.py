@@ -26,8 +26,7 @@ add_rmsnorm_linear_ref, and 2.1 changes no result). Rules every launcher keeps:
   * loads are upcast to float32 before any arithmetic, results cast back once, at the store;
   * offsets that can pass 2**31 (cache slots, expert weights) are computed in int64.
 
-Imports nothing from the rest of nanoengine. Tests: test_all.py's kernel sections (on a CPU they run in
-the Triton interpreter, TRITON_INTERPRET=1).
+Imports nothing from the rest of nanoengine. Tests: test_all.py (on a CPU, the Triton interpreter: TRITON_INTERPRET=1).
 """
 import functools
 import math
@@ -91,7 +90,6 @@ def _add_rmsnorm_kernel(
 
 
 def _check_add_rmsnorm_args(x, residual, weight, weight_name: str = "weight") -> None:
-    """add_rmsnorm's inputs; add_rmsnorm_linear (Part 2), which reads the same, checks them here too."""
     if x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"x must have a contiguous last dim and {weight_name} shape ({x.shape[-1]},), got x "
                          f"strides {tuple(x.stride())} and {weight_name} {tuple(weight.shape)}")
@@ -424,12 +422,11 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     rows = min(max_query_len, chunk)  # queries a chunk
     qsl, seq_lens = query_start_loc.long(), seq_lens.long()
-    num_chunks = None
-    if q.device.type == "cpu":  # lengths cost nothing to read here: only the keys and chunks in use
+    cpu = q.device.type == "cpu"  # lengths cost nothing to read here: only the keys and chunks in use
+    if cpu:
         block_table = block_table[:, :max(1, -(-int(seq_lens.max()) // block_size))]
-        num_chunks = int(((qsl[1:] - qsl[:-1] + rows - 1) // rows).sum())
     context = block_table.shape[1] * block_size  # the most keys a request has
-    req, first = _query_chunks(qsl, rows, t, num_chunks)  # [N] each chunk's request and first token
+    req, first = _query_chunks(qsl, rows, t, exact=cpu)  # [N] each chunk's request and first token
     last = torch.minimum(first + rows, qsl[req + 1])  # [N] one past its last token (<= first: empty)
     # One row more than there are tokens: a chunk's rows past its last token write there, and it is dropped.
     out = torch.zeros((t + 1, h, d), dtype=torch.float32, device=q.device)
@@ -444,14 +441,14 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     return out[:t].to(q.dtype)  # [T, H, D]
 
 
-def _query_chunks(qsl: torch.Tensor, rows: int, t: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _query_chunks(qsl: torch.Tensor, rows: int, t: int, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every request's new tokens cut into chunks of up to `rows`: each chunk's request and first token,
-    [N] each. N is n, or without a sync the most chunks t tokens of b requests can make; the chunks past
-    the real ones are empty (their first token is past their request's last)."""
+    [N] each. N is exact (a sync), or without a sync the most chunks t tokens of b requests can make; the
+    chunks past the real ones are empty (their first token is past their request's last)."""
     b = qsl.shape[0] - 1
     per_request = (qsl[1:] - qsl[:-1] + rows - 1) // rows  # [B] chunks of each request
     ends = per_request.cumsum(0)  # [B] one past each request's last chunk
-    chunk = torch.arange((t + b * (rows - 1)) // rows if n is None else n, device=qsl.device)  # [N]
+    chunk = torch.arange(int(per_request.sum()) if exact else (t + b * (rows - 1)) // rows, device=qsl.device)  # [N]
     req = torch.searchsorted(ends, chunk, right=True).clamp(max=b - 1)
     return req, qsl[req] + (chunk - ends[req] + per_request[req]) * rows
 
@@ -717,11 +714,11 @@ MAX_TICKETS = 1 << 16  # _last_to_finish counters: groups of programs that merge
 
 
 # -- 2.1 pdl: programmatic dependent launch (Hopper and later) ------------------------------------------
-# A decode step is a chain of a few hundred short kernels. Between two, the GPU normally drains the first,
-# then launches the next: about a microsecond a kernel in which no byte moves. Launched as a programmatic
-# dependent launch, the next kernel's programs take their places while this one runs and wait at
-# griddepcontrol.wait (_wait_for_inputs) until its writes are visible. A kernel releases the next only after
+# A decode step is a chain of a few hundred short kernels, and between two the GPU normally idles about a microsecond.
+# Launched as a programmatic dependent launch, the next kernel's programs take their places while this one runs and
+# wait at griddepcontrol.wait (_wait_for_inputs) until its writes are visible. A kernel releases the next only after
 # its own wait, so at most two are in flight and each sees every earlier kernel's writes: no result changes.
+# Before its wait a kernel may read only what no kernel writes: weights, and what the host staged.
 
 @functools.lru_cache(maxsize=None)
 def has_pdl(device: torch.device) -> bool:
@@ -776,14 +773,10 @@ def _linear_kernel(
     weight_ptr,  # [N, K] contiguous, as nn.Linear stores it
     bias_ptr,  # [N] (HAS_BIAS only)
     out_ptr,  # [M, N] contiguous ([M, N / 2] if GATED)
-    residual_ptr,  # [M, K] contiguous (ADD only)
-    residual_out_ptr,  # [M, K] contiguous: x + residual is written here (ADD only)
+    residual_ptr, residual_out_ptr,  # [M, K] contiguous each: the residual, and x + residual written (ADD only)
     norm_weight_ptr,  # [K] (NORM only)
-    num_rows,  # M
-    out_features,  # N: the weight's rows
-    in_features,  # K
-    stride_xm,
-    eps,
+    num_rows, out_features, in_features,  # M, N (the weight's rows), K
+    stride_xm, eps,  # x's row stride; the norm's epsilon (NORM only)
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,  # weight is [gate; up] (N = 2I rows) and out is silu(x @ gate.T) * (x @ up.T)
     NORM: tl.constexpr,  # one row only: the input is rmsnorm(x (+ residual)) * norm_weight
@@ -820,12 +813,9 @@ def _linear_kernel(
     if PDL and PREFETCH:  # no kernel writes a weight: its first tile may move while the kernel before runs
         _prefetch_l2(weight_ptr, w_offs, col_ok, in_features, BLOCK_K)
     _wait_for_inputs(PDL)
-    if USE_DOT:  # out.T = weight @ x.T: the weight tile is the MMA's tall operand, x pads to 16 columns
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        # One row: an FMA per weight element into a 2-D accumulator, summed over K once after the loop. A
-        # reduction at every step would cost more than the multiply-adds.
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # tl.dot: out.T = weight @ x.T, the weight tile the MMA's tall operand, x padded to 16 columns. One row: an FMA
+    # per weight element into a 2-D accumulator, summed over K once after the loop (a sum each step costs more).
+    acc = tl.zeros([BLOCK_N, BLOCK_M if USE_DOT else BLOCK_K], dtype=tl.float32)
     # NORM: rmsnorm(s) * g @ W.T = (s * g @ W.T) / rms(s), so the row's sum of squares builds up beside the
     # products and scales the result at the end. Program 0 also stores the new residual.
     sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -865,8 +855,7 @@ def _linear_kernel(
 
 
 def linear_blocks(m: int, n: int, k: int, element_size: int, gated: bool = False) -> tuple:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, num_warps, num_stages) from the shapes alone (n: the weight's rows),
-    by rules that reproduce the best tiles of H200 sweeps at Qwen3-0.6B, Llama-3.2-1B and Llama-3-8B shapes."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, num_warps, num_stages) from the shapes alone (n: the weight's rows)."""
     if m > 1:  # tl.dot tiles: rows pad to a power of two from 16
         cap = LINEAR_DOT_MAX_BLOCK_M if k >= LINEAR_LONG_K else 128  # long rows: a tile's K steps are many
         block_m, block_n = min(max(16, triton.next_power_of_2(m)), cap), 64
@@ -883,10 +872,8 @@ def linear_blocks(m: int, n: int, k: int, element_size: int, gated: bool = False
     block_n = max(1, LINEAR_TILE_BYTES // (LINEAR_LONG_K * element_size)) if long_rows else 16
     while block_n > 1 + gated and triton.cdiv(n, block_n) < 256:
         block_n //= 2
-    if long_rows:
-        return 1, block_n, LINEAR_LONG_K, False, 4, 3
     block_k = max(16, min(LINEAR_TILE_BYTES // (block_n * element_size), triton.next_power_of_2(k)))
-    return 1, block_n, block_k, False, 8, 3
+    return (1, block_n, LINEAR_LONG_K, False, 4, 3) if long_rows else (1, block_n, block_k, False, 8, 3)
 
 
 def _check_linear_args(x, weight, bias, gated: bool) -> None:
@@ -971,7 +958,6 @@ def linear_ref(x, weight, bias=None, gated: bool = False) -> torch.Tensor:
 
 
 def add_rmsnorm_linear_ref(x, residual, norm_weight, eps, weight, bias=None, gated=False):
-    """The steps it fuses: add_rmsnorm_ref, F.linear, and if gated silu_and_mul_ref."""
     h, residual = add_rmsnorm_ref(x, residual, norm_weight, eps)
     y = torch.nn.functional.linear(h, weight, bias)
     return (silu_and_mul_ref(y) if gated else y), residual
@@ -995,8 +981,7 @@ def _rope_tile(x, x_swap, swap, norm_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _decode_attention_kernel(
     q_ptr,  # [B, H, D] strided view: one new token per request
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    v_cache_ptr,  # same shape and strides
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] each, with the same strides
     out_ptr,  # [B, H, D] contiguous
     part_out_ptr,  # [num_splits, B, H, D] float32 unnormalised partials (SPLIT only)
     part_ml_ptr,  # [num_splits, B, H, 2] float32 their running max and sum (SPLIT only)
@@ -1004,18 +989,14 @@ def _decode_attention_kernel(
     seq_lens_ptr,  # [B] context length including the new token; 0: a padding row
     block_table_ptr,  # [B, max_blocks] int32
     num_splits,  # splits per (request, kv head), an upper bound fixed on the host; 1 unless SPLIT
-    k_new_ptr,  # [B, Hkv, D] strided view: the new keys (ROPE only)
-    v_new_ptr,  # [B, Hkv, D] strided view: the new values (ROPE only)
+    k_new_ptr, v_new_ptr,  # [B, Hkv, D] strided views: the new keys and values (ROPE only)
     slot_mapping_ptr,  # [B] their cache slots; -1: a padding row (ROPE only)
     positions_ptr,  # [B] their positions (ROPE only)
     scratch_slot,  # first slot of the scratch block
     cos_sin_ptr,  # [max_pos, D] float32, cos then sin (ROPE only)
-    q_norm_ptr,  # [D] (ROPE and HAS_NORM only)
-    k_norm_ptr,
-    eps,
+    q_norm_ptr, k_norm_ptr, eps,  # [D] each, and the norm's epsilon (ROPE and HAS_NORM only)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cache_block, stride_cache_tok, stride_cache_head,
-    stride_bt,
+    stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     qk_scale,  # softmax scale * log2(e)
     NUM_HEADS: tl.constexpr,  # H
     GROUP: tl.constexpr,  # H // Hkv
@@ -1040,9 +1021,7 @@ def _decode_attention_kernel(
     # the q/k/v matmul still runs, and only q, k and v wait for it. A split with no keys exits at once.
     seq_len = tl.load(seq_lens_ptr + req)
     # With ROPE the new token (the context's last) comes from registers: the cache walk stops before it.
-    kv_end = seq_len
-    if ROPE:
-        kv_end = tl.maximum(seq_len - 1, 0)
+    kv_end = tl.maximum(seq_len - 1, 0) if ROPE else seq_len
     num_tiles = tl.cdiv(kv_end, BLOCK_N >> PACK_SHIFT)
     if SPLIT:
         # The split count was fixed for the longest context the block table holds; this context uses as
@@ -1072,9 +1051,8 @@ def _decode_attention_kernel(
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if ROPE:
-        # The new token is at position seq_len - 1. Its query heads are rotated here, and its key and value
-        # are used from registers, so no program waits for them to reach memory. Split 0 writes them to the
-        # cache for later steps.
+        # The new token's query heads are rotated here, and its key and value used from registers, so no program
+        # waits for them to reach memory. Split 0 writes them to the cache for later steps.
         swap = (dims + HEAD_DIM // 2) % HEAD_DIM
         sin = tl.where(dims < HEAD_DIM // 2, -sin, sin)  # rotate_half(x) = [-x2, x1]
         q = _rope_tile(tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0),
@@ -1082,23 +1060,17 @@ def _decode_attention_kernel(
                        swap, q_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(q_ptr.dtype.element_ty)
         if split == 0:
             # The new key and value of each row's kv head: [1, D], or packed, one per row [BLOCK_M, D]
-            if PACK_SHIFT > 0:
-                kv_of = (kv_head + row_head)[:, None]
-            else:
-                kv_of = tl.zeros([1, 1], dtype=tl.int32) + kv_head
+            kv_of = (kv_head + row_head)[:, None] if PACK_SHIFT > 0 else tl.zeros([1, 1], dtype=tl.int32) + kv_head
             k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
             k = _rope_tile(tl.load(k_row + dims[None, :]), tl.load(k_row + swap[None, :]), swap, k_norm_ptr, cos,
                            sin, eps, HEAD_DIM, HAS_NORM).to(k_cache_ptr.dtype.element_ty)
             v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_of * stride_vh + dims[None, :])
             slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows write to the scratch block
             slot_ptr = slot * stride_cache_tok + kv_of * stride_cache_head + dims[None, :]
-            if PACK_SHIFT > 0:  # the first query row of each packed kv head writes it
-                writes = ((rows % GROUP_PAD == 0) & row_ok)[:, None]
-                tl.store(k_cache_ptr + slot_ptr, k, mask=writes)
-                tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty), mask=writes)
-            else:
-                tl.store(k_cache_ptr + slot_ptr, k)
-                tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty))
+            # Packed, the first query row of each kv head writes it; unpacked, the one [1, D] row writes unmasked
+            writes = ((rows % GROUP_PAD == 0) & row_ok)[:, None] if PACK_SHIFT > 0 else None
+            tl.store(k_cache_ptr + slot_ptr, k, mask=writes)
+            tl.store(v_cache_ptr + slot_ptr, v.to(v_cache_ptr.dtype.element_ty), mask=writes)
             if seq_len > 0:  # the new key itself: p = 1 against a running max of its own score
                 m = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * qk_scale
                 l = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
@@ -1162,7 +1134,6 @@ def _decode_attention_kernel(
 
 @triton.jit
 def _store_partial(m, l, acc, slot, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM: tl.constexpr):
-    """A split's (or a group's) running max, sum and unnormalised output, into partial slot `slot`."""
     part_row = slot * rows_per_split + row
     tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml_ptr + part_row * 2, m, mask=row_ok)
@@ -1216,8 +1187,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     """rope_write_kv, then paged_attention, for a decode batch (token b at position seq_lens[b] - 1) -> [B, H, D]:
     - while the batch's programs fit one wave, in one launch (RoPE and the KV write inside);
     - a long context at a small batch is split over several programs, merged in-kernel, so the GPU fills;
-    - a big batch of short contexts (max_seq_len, a host bound, <= ATTN_PACK_MAX_CONTEXT) packs several kv
-      heads into one program, so the grid fits one wave again.
+    - a big batch of short contexts (host-side max_seq_len <= ATTN_PACK_MAX_CONTEXT) packs kv heads: one wave again.
     num_splits overrides the split count chosen from the SM count (tests)."""
     b, h, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -1246,11 +1216,10 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     block_m, stages = max(16, heads * group_pad), 2  # fewer stages, more programs an SM: short contexts
     if heads > 1:  # key tiles of 128 columns (keys x heads)
         block_n, stages = max(16, heads, min(ATTN_PACK_BLOCK_N, 16384 // d)), 3
+    part_out = part_ml = out  # never read unless split
     if num_splits > 1:
         part_out = torch.empty((num_splits, b, h, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((num_splits, b, h, 2), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_ml = out  # never read
     has_norm = q_norm is not None
     _decode_attention_kernel[(b, hkv // heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_ml, _tickets(q.device), seq_lens, block_table, num_splits,
@@ -1280,9 +1249,7 @@ def _moe_decode_gate_up_kernel(
     w_ptr,  # [E, 2I, D] the experts' gate_up weights, gate rows first
     topk_ids_ptr,  # [A] contiguous: the expert of assignment a = token * top_k + j
     act_ptr,  # [A, I] float32 out: silu(gate) * up
-    top_k,
-    inter,  # I
-    hidden,  # D
+    top_k, inter, hidden,  # k, I, D
     stride_xm, stride_we, stride_wn,
     BLOCK_N: tl.constexpr,  # gate rows (and as many up rows) per program
     BLOCK_K: tl.constexpr,
@@ -1315,12 +1282,9 @@ def _moe_decode_gate_up_kernel(
 def _moe_decode_down_kernel(
     act_ptr,  # [A, I] float32
     w_ptr,  # [E, D, I] the experts' down weights
-    topk_ids_ptr,  # [A] contiguous
-    topk_weights_ptr,  # [A] contiguous router weights
+    topk_ids_ptr, topk_weights_ptr,  # [A] contiguous each: the experts and their router weights
     out_ptr,  # [N, D] contiguous
-    top_k,
-    hidden,  # D: output features
-    inter,  # I
+    top_k, hidden, inter,  # k, D (the outputs), I
     stride_we, stride_wn,
     BLOCK_N: tl.constexpr,  # output features per program
     BLOCK_K: tl.constexpr,
@@ -1351,9 +1315,8 @@ def _moe_decode_down_kernel(
 
 
 def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int, tiles: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for rows x cdiv(n_out, BLOCK_N) programs that each stream `tiles` weight
-    tiles a K step (2: gate_up, 1: down): the widest BLOCK_N up to 16 (8 for down, whose loop runs ahead
-    across experts) that leaves 256 programs (512 for down), and LINEAR_TILE_BYTES of weights a step."""
+    """(BLOCK_N, BLOCK_K, num_warps) for rows x cdiv(n_out, BLOCK_N) programs that each stream `tiles` weight tiles a
+    K step (2: gate_up, 1: down); down's are narrower, with more programs (its loop runs ahead across experts)."""
     if tiles == 2 and element_size == 2:
         return MOE_DECODE_GATE_UP_BLOCKS
     block_n, min_programs = (16, 256) if tiles == 2 else (8, 512)
@@ -1398,8 +1361,7 @@ def fused_moe_tuned(x, gate_up, down, topk_weights, topk_ids, pdl: bool = False)
 @triton.jit
 def _moe_route_kernel(
     logits_ptr,  # [T, E] router logits, contiguous
-    weights_ptr,  # [T, TOP_K] out: routing weights, in the logits' dtype
-    ids_ptr,  # [T, TOP_K] out: expert ids (int64), best first
+    weights_ptr, ids_ptr,  # [T, TOP_K] out each: routing weights (the logits' dtype), expert ids (int64), best first
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_PAD: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -1465,14 +1427,11 @@ def _hash32(x):
 def _race_kernel(
     logits_ptr,  # [S, V] float32 or 16-bit, rows contiguous: read as float32
     temperature_ptr,  # [S] float32; 0 = greedy
-    seeds_ptr,  # [S] int64
-    counters_ptr,  # [S] int64: the index of the token being sampled
-    part_score_ptr,  # [S, NUM_CHUNKS] float32 scratch: each chunk's best score
-    part_idx_ptr,  # [S, NUM_CHUNKS] int64 scratch: its vocabulary id
+    seeds_ptr, counters_ptr,  # [S] int64 each: the row's seed, and the index of the token being sampled
+    part_score_ptr, part_idx_ptr,  # [S, NUM_CHUNKS] scratch: each chunk's best score (float32) and its id (int64)
     tickets_ptr,  # [>= S] int32 zeros (_tickets)
     tokens_ptr,  # [S] int64 out
-    vocab,
-    stride_s,
+    vocab, stride_s,  # V, and elements between two rows of logits
     NUM_CHUNKS: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,  # NUM_CHUNKS rounded up to a power of two
     CHUNK: tl.constexpr,  # vocabulary ids per program
@@ -1541,10 +1500,9 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
         part_score = torch.empty((s, chunks), dtype=torch.float32, device=logits.device)
         part_idx = torch.empty((s, chunks), dtype=torch.int64, device=logits.device)
         _race_kernel[(s, chunks)](
-            logits, temperature.float().contiguous(), seeds.contiguous(), counters.contiguous(), part_score,
-            part_idx, _tickets(logits.device), tokens, vocab, logits.stride(0), NUM_CHUNKS=chunks,
-            CHUNKS_PAD=triton.next_power_of_2(chunks), CHUNK=RACE_CHUNK, BLOCK_V=1024, GREEDY=greedy,
-            num_warps=4, **_launch_options(pdl))
+            logits, temperature.float().contiguous(), seeds.contiguous(), counters.contiguous(), part_score, part_idx,
+            _tickets(logits.device), tokens, vocab, logits.stride(0), NUM_CHUNKS=chunks, CHUNK=RACE_CHUNK, BLOCK_V=1024,
+            CHUNKS_PAD=triton.next_power_of_2(chunks), GREEDY=greedy, num_warps=4, **_launch_options(pdl))
     return tokens
 
 
