@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch._dynamo  # noqa: F401 (see build_model)
+import torch._dynamo  # noqa: F401 (imported first under the meta device, it would leave cycles holding an Engine)
 import torch.nn.functional as F
 from torch import nn
 
@@ -44,8 +44,6 @@ STAGING_ALIGN_BYTES = 16          # staged tensors start 16-byte aligned: see al
 
 # ----------------------------------------------------------------------------------------------------------
 # Part 1, the model. Parameter names are the checkpoint's, so loading is a dictionary lookup.
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out=None) -> torch.Tensor:
     """cuBLAS's matmul; `out` (a graph's static logits buffer) is written in place."""
     if out is None:
@@ -237,7 +235,6 @@ class Model(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        return self
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
         """batch: one step's tokens; kv_cache (2, layers, blocks + 1, block_size, Hkv, D). -> (T, hidden)"""
@@ -247,8 +244,7 @@ class Model(nn.Module):
         return self.ops.add_rmsnorm(x, residual, self.model.norm.weight, self.config.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # (S, vocab) in the model's dtype: the sampler reads it as float32 in registers, so a float32 copy
-        # would only be one more kernel and twice the bytes.
+        # (S, vocab) in the model's dtype: the sampler reads it as float32 in registers; a copy would cost a kernel
         return self.ops.linear(hidden, self.lm_head.weight, out=out)
 
 
@@ -258,8 +254,6 @@ def param_bytes(model: nn.Module) -> int:
 
 # ----------------------------------------------------------------------------------------------------------
 # Sampling
-
-
 @dataclass
 class SamplingBatch:
     temperature: torch.Tensor      # (S,) float32; 0 = greedy
@@ -291,8 +285,6 @@ def sample(logits: torch.Tensor, s: SamplingBatch, race=kernels.race_sample_ref)
 
 # ----------------------------------------------------------------------------------------------------------
 # The model runner: a step's Batch (InputBuilder), then its forward and sampling (ModelRunner)
-
-
 def aligned_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
     """Where each of several arrays starts when packed into one buffer with every start 16-byte aligned,
     and the total length. Triton compiles a kernel once per pointer alignment it sees: packed tightly, the
@@ -330,8 +322,7 @@ class Staging:
         if self.events[self.turn] is not None:
             self.events[self.turn].synchronize()
         result = [self._copy(g) for g in groups]
-        self.events[self.turn] = torch.cuda.Event()
-        self.events[self.turn].record()
+        self.events[self.turn] = torch.cuda.current_stream().record_event()
         return result
 
     def _copy(self, arrays: list) -> list[torch.Tensor]:
@@ -464,8 +455,7 @@ class InputBuilder:
         return self.table[rows, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
 
     def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
-        """These rows of the block table, as many columns as the longest request needs (columns first,
-        then rows: numpy's mixed indexing, table[rows, :width], is several times slower)."""
+        """These rows' block-table columns up to the longest request's (columns first: mixed indexing is slower)."""
         return self.table[:, :-(-max_seq_len // self.block_size)][rows]
 
     def sampled(self, out, tokens: torch.Tensor, sampling: tuple):
@@ -491,13 +481,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=model.lm_head.weight.dtype, device=self.device)
         self.stats = StepStats(cuda=self.device.type == "cuda")
-        self.graphs = None
-        if not cfg.enforce_eager:
-            tokens = () if cfg.cudagraph_mode == "full_decode_only" else \
-                (cfg.graph_token_buckets or default_token_buckets(cfg.max_num_batched_tokens))
-            self.graphs = GraphRunner(model, self.kv_cache, self.max_blocks_per_seq, cfg.max_num_seqs,
-                                      cfg.graph_buckets or default_buckets(cfg.max_num_seqs), list(tokens),
-                                      capture=self.device.type == "cuda")
+        tokens = () if cfg.cudagraph_mode == "full_decode_only" else \
+            (cfg.graph_token_buckets or default_token_buckets(cfg.max_num_batched_tokens))
+        self.graphs = None if cfg.enforce_eager else GraphRunner(
+            model, self.kv_cache, self.max_blocks_per_seq, cfg.max_num_seqs,
+            cfg.graph_buckets or default_buckets(cfg.max_num_seqs), list(tokens), capture=self.device.type == "cuda")
 
     def close(self):
         """Drop every tensor this runner holds: KV cache, graphs and their pool, staging, tokens, model."""
@@ -519,8 +507,6 @@ class ModelRunner:
 
 # ----------------------------------------------------------------------------------------------------------
 # The engine and the LLM front end
-
-
 @dataclass
 class RequestOutput:
     request_id: str
@@ -558,6 +544,7 @@ class Engine:
         # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
         self.book.on_release = inputs.release
         self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len, inputs)
+        self.stats = self.runner.stats  # StepStats: where the steps' time goes (run.py reads it)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
         self.readback = None  # async on CUDA: two pinned token buffers, alternating
@@ -584,10 +571,6 @@ class Engine:
         return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted)
 
     # -- a step ------------------------------------------------------------------------------------------
-    @property
-    def stats(self) -> "StepStats":
-        return self.runner.stats
-
     def step(self) -> list[RequestOutput]:
         """Schedule, run, read the tokens back (one host sync), update. Returns an output for each request
         that got a token (or finished) in this step, as its output_kind asks."""
@@ -617,9 +600,8 @@ class Engine:
         return self._outputs(out, report, t0)
 
     def _outputs(self, out, report: list[Request], t0: float) -> list[RequestOutput]:
-        report += self.book.aborted
+        outputs = [self.output(r) for r in report + self.book.aborted]
         self.book.aborted = []
-        outputs = [self.output(r) for r in report]
         st = self.stats
         st.steps += bool(out.requests)
         st.tokens += out.num_samples
@@ -627,9 +609,8 @@ class Engine:
         return outputs
 
     def _copy_to_host(self, tokens: torch.Tensor):
-        """Start the copy of a step's tokens into pinned memory; an event says when they have landed. Two
-        persistent buffers alternate (one step is in flight at most): allocating pinned memory per step
-        could synchronise the device, which is the one thing this path must not do."""
+        """Start copying a step's tokens into one of two persistent pinned buffers (one step is in flight at most):
+        allocating pinned memory per step could synchronise the device, the one thing this path must not do."""
         if not self.cuda:
             return tokens, None
         if self.readback is None:
@@ -637,9 +618,7 @@ class Engine:
         self.readback.reverse()
         host = self.readback[0][:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        return host, torch.cuda.current_stream().record_event()  # says when the tokens have landed
 
     def _land(self) -> list[Request]:
         slots, host, event = self.inflight
@@ -647,16 +626,14 @@ class Engine:
         t = time.perf_counter()
         if event is not None:
             event.synchronize()
-        tokens = host.numpy()
         self.stats.wait_s += time.perf_counter() - t
-        return self.book.fill(slots, tokens)
+        return self.book.fill(slots, host.numpy())
 
     def output(self, req: Request) -> RequestOutput:
         ids = req.output_token_ids
         new, req.num_reported = ids[req.num_reported:], len(ids)
         finished = req.status == FINISHED
-        if req.params.output_kind == "final_only" and not finished:
-            raise AssertionError(f"{req.request_id} asked for its final output only")
+        assert finished or req.params.output_kind != "final_only", f"{req.request_id} asked for its final output only"
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens],
                              new if req.params.output_kind == "delta" else ids, new, text, finished,
@@ -668,9 +645,8 @@ class Engine:
         tensor) of integer ids taken as they are. Anything else is a TypeError: an id is never rounded."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt is a string but model={self.cfg.model!r} has no tokenizer "
-                                 "(it needs tokenizer.json and the optional 'tokenizers' package); "
-                                 "pass token ids instead")
+                raise ValueError(f"prompt is a string but model={self.cfg.model!r} has no tokenizer (it needs "
+                                 "tokenizer.json and the optional 'tokenizers' package); pass token ids instead")
             return self.tokenizer.encode(prompt).ids
         if isinstance(prompt, (np.ndarray, torch.Tensor)):
             prompt = prompt.tolist()
@@ -722,10 +698,9 @@ class Engine:
         return request_id
 
     def _blocks_for_memory(self) -> int:
-        """On CUDA, as in vLLM: the KV cache takes gpu_memory_utilization of the GPU's memory less this
-        engine's weights, a step's activations (which bound the graphs' pool) and CUDA_SPARE_BYTES. That
-        depends on nothing else in the process, so an engine made after another was closed or dropped gets
-        as many blocks as the first. Only where less is free (another engine holds it) is it cut."""
+        """On CUDA, as in vLLM: the KV cache takes gpu_memory_utilization of the GPU's memory less this engine's
+        weights, a step's activations (which bound the graphs' pool) and CUDA_SPARE_BYTES, cut only where less is
+        free (another engine holds it): an engine made after another was closed or dropped gets as many blocks."""
         mc = self.model.config
         per_block = 2 * mc.num_layers * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * \
             self.model.lm_head.weight.element_size()
@@ -739,10 +714,9 @@ class Engine:
         util, weights = self.cfg.gpu_memory_utilization, param_bytes(self.model)
         budget = min(total * util - weights, free) - activations - CUDA_SPARE_BYTES
         if budget < per_block:
-            raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV cache: {free / 2**30:.1f} "
-                             f"of {total / 2**30:.1f} GiB are free with the weights ({weights / 2**30:.1f} GiB) "
-                             "loaded; close() engines you no longer use, raise gpu_memory_utilization or use "
-                             "a smaller model")
+            raise ValueError(f"gpu_memory_utilization={util} leaves no room for the KV cache: {free / 2**30:.1f} of "
+                             f"{total / 2**30:.1f} GiB are free with the weights ({weights / 2**30:.1f} GiB) loaded; "
+                             "close() engines you no longer use, raise gpu_memory_utilization or use a smaller model")
         return int(budget // per_block)
 
     def _activation_bytes(self) -> int:
@@ -806,16 +780,11 @@ class Engine:
 
 
 def request_metrics(req: Request) -> dict:
-    """The request's times (time.perf_counter seconds) and what derives from them: time to first token, and
-    time per output token after the first."""
-    m = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
-             first_token_time=req.first_token_time, finished_time=req.finished_time, ttft=None, tpot=None)
-    if req.first_token_time is not None:
-        m["ttft"] = req.first_token_time - req.arrival_time
-        n = len(req.output_token_ids)
-        if req.finished_time is not None and n > 1:
-            m["tpot"] = (req.finished_time - req.first_token_time) / (n - 1)
-    return m
+    """The request's times (time.perf_counter s), time to first token, and time per output token after the first."""
+    first, done, n = req.first_token_time, req.finished_time, len(req.output_token_ids)
+    return dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=first,
+                finished_time=done, ttft=None if first is None else first - req.arrival_time,
+                tpot=None if first is None or done is None or n < 2 else (done - first) / (n - 1))
 
 
 def load_tokenizer(folder: str | None):
@@ -897,13 +866,10 @@ def check_params(name: str, params) -> SamplingParams:
 
 # ----------------------------------------------------------------------------------------------------------
 # Measuring steps: where a step's time goes (run.py's benchmarks read it)
-
-
 class StepStats:
-    """Where a step's time goes. host = everything but the forward + sampler launch and the wait for tokens
-    (scheduling, batch building, bookkeeping). With `timing` on (benchmarks) each step's time is kept,
-    tagged by kind (with prompt tokens, or decode only): device time from a pair of CUDA events on CUDA,
-    the forward's wall time on the CPU (where it is synchronous). Off by default: no events are made."""
+    """Where a step's time goes. host = all but the forward + sampler launch and the wait for tokens (scheduling,
+    batch building, bookkeeping). With `timing` on (benchmarks; off by default) each step's time is kept by kind
+    (with prompt tokens, or decode only): CUDA events' device time on CUDA, the forward's wall time on the CPU."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.timing = cuda, False
@@ -924,9 +890,7 @@ class StepStats:
             return None
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
 
     def end(self, start, prompt: bool):
         if start is not None:
@@ -944,8 +908,6 @@ class StepStats:
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration and weights: the settings, the model's shape, a checkpoint folder or a preset's random weights
-
-
 # EngineConfig's annotations -> what its fields may hold (scheduler.KINDS): see EngineConfig._check_types
 SETTING_KINDS = {str: "str", int: "int", float: "number", bool: "bool", tuple: "ints"}
 EMBED_STD, LOGIT_STD = 0.02, 6.0  # random preset weights: see init_random
@@ -1061,10 +1023,9 @@ class ModelConfig:
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta") or 10000.0), rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta") or 10000.0),
+            rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
@@ -1157,10 +1118,9 @@ class EngineConfig:
             device = None
         require(device is not None and device.type in ("cpu", "cuda"), "device", self.device,
                 "'cpu', 'cuda' or 'cuda:N'")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but torch sees no CUDA device; use device='cpu'")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"device={self.device!r} but torch sees {torch.cuda.device_count()} CUDA devices")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():  # 0 without CUDA
+            raise ValueError(f"device={self.device!r} but torch sees {torch.cuda.device_count()} CUDA devices; "
+                             "use device='cpu' or a lower index")
 
 
 def read_model_config(model: str) -> tuple[dict, str | None]:
@@ -1228,19 +1188,16 @@ def load_weights(model: Model, folder: str):
 
 @torch.no_grad()
 def init_random(model: Model, seed: int):
-    """Deterministic random weights made on the model's device. Linears get std 1/sqrt(fan_in) so
-    activations stay O(1). Embeddings are small (std 0.02, as HF initialises them): with big ones a tied
-    model's residual stream is its input token and greedy decoding just repeats it. The final norm then
-    scales the hidden state so that logits spread with std ~LOGIT_STD: greedy picks are not near-ties."""
+    """Deterministic random weights made on the model's device. Embeddings are small (std 0.02, as HF initialises
+    them): with big ones a tied model's residual stream is its input token and greedy decoding just repeats it.
+    The final norm then scales the hidden state so that logits spread with std ~LOGIT_STD: no near-tie greedy picks."""
     gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.normal_(0.0, 0.02, generator=gen)
-        elif "embed_tokens" in name or "lm_head" in name:
+        elif name.endswith("bias") or "embed_tokens" in name or "lm_head" in name:  # biases small too
             p.normal_(0.0, EMBED_STD, generator=gen)
-        else:  # a linear (or stacked experts): std 1/sqrt(fan_in)
+        else:  # a linear (or stacked experts): std 1/sqrt(fan_in) keeps activations O(1)
             p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
     model.model.norm.weight.fill_(LOGIT_STD / (EMBED_STD * model.config.hidden_size ** 0.5))
 
@@ -1249,9 +1206,6 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     """The model on cfg.device in cfg.dtype, weights loaded or random, fused, ops chosen; and its folder or None."""
     hf, folder = read_model_config(cfg.model)
     mcfg = ModelConfig.from_hf(hf, where=f"model={cfg.model!r} config")
-    # On the meta device torch imports torch._dynamo the first time; that import leaves cyclic garbage that
-    # holds the frames it ran under, and with them the first Engine of a process, until the cycle
-    # collector runs. Imported at the top of this file, it holds nothing of ours.
     with torch.device("meta"):  # no memory and no init until the real device is known
         model = Model(mcfg)
     model = model.to(getattr(torch, cfg.dtype)).to_empty(device=cfg.device)
@@ -1281,7 +1235,6 @@ def max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
 
 # ----------------------------------------------------------------------------------------------------------
 # Part 2: the tuned path. Each variant is a switch (EngineConfig.tuned) with a row in BENCHMARKS.md.
-
 TUNED = {
     "gemv": "kernels.linear for decode-sized matmuls, add_rmsnorm in its prologue, silu_and_mul in its epilogue",
     "pdl": "programmatic dependent launch for every Triton kernel (Hopper)",
@@ -1320,9 +1273,8 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
             setattr(ops, name, partial(getattr(ops, name), pdl=True))
     pick = lambda name: partial(getattr(kernels, name), pdl=pdl) if triton else getattr(kernels, name + "_ref")  # noqa
     if "gemv" in v:
-        # One row: the Triton matmul streams a decode matrix faster than cuBLAS on every model. Up to 64 rows
-        # (and 256 on the narrow matrices, where cuBLAS splits K) only on small models; past that, and on
-        # Llama-3-8B's shapes from 4 rows, cuBLAS wins (BENCHMARKS.md).
+        # Triton streams a one-row matmul faster than cuBLAS on every model; up to 64 rows (256 on narrow
+        # matrices, where cuBLAS splits K) only on small models (BENCHMARKS.md).
         cuda, small = cfg.device.startswith("cuda") and triton, mcfg.hidden_size <= 1024
         rows = cfg.triton_linear_rows if cfg.triton_linear_rows is not None else (64 if small else 1) * cuda
         narrow = cfg.triton_narrow_rows if cfg.triton_narrow_rows is not None else \
@@ -1364,11 +1316,8 @@ class DecodeRows:
 class SteadyInputBuilder(InputBuilder):
     """InputBuilder whose steady-decode steps are last step's batch one token on (DecodeRows), with last
     step's sampled tokens as inputs straight from the device: a few numpy operations at any batch size."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.decode: DecodeRows | None = None
-        self.prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
+    decode: DecodeRows | None = None  # the steady decode's rows, built on its first step (_prepare_formed)
+    prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
 
     def rows(self, out) -> np.ndarray:
         """A standing SteadyDecode holds the blocks it handed out (`entered`) until it is dropped: they are
@@ -1402,10 +1351,9 @@ class SteadyInputBuilder(InputBuilder):
         d = self.decode
         assert d is not None and d.steady is (out.steady if kept is None else self.prev_steady) and \
             d.step == out.step - 1, f"step {out.step}: the decode rows do not follow last step's set"
-        if kept is None:
-            self._advance(d, out)
-        else:
+        if kept is not None:
             self._condense(d, out, kept)
+        self._advance(d, out)
         (positions, slots, counters, *kept_t), (block_table,) = self.staging.to_device(
             list(d.rows64) + ([] if kept is None else [kept]), [d.block_table])
         input_ids = self.prev_tokens if kept is None else self.prev_tokens[kept_t[0]]
@@ -1454,14 +1402,13 @@ class SteadyInputBuilder(InputBuilder):
                           query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
 
     def _condense(self, d: DecodeRows, out, kept: np.ndarray):
-        """Some requests left since last step: keep the rows of those that stay, in order, then one token on."""
+        """Some requests left since last step: keep the rows of those that stay, in order."""
         n = len(kept)
         # C order, as np.stack made it: each of its rows is then one array, staged as it is (rows64)
         d.steady, d.rows, d.ints64 = out.steady, d.rows[kept], np.ascontiguousarray(d.ints64[:, kept])
         d.rows64, d.max_seq_len = tuple(d.ints64), int(d.ints64[2].max())
         d.block_table = self._block_table(d.rows, d.max_seq_len)
         d.query_start_loc, d.logits_indices = d.query_start_loc[:n + 1], d.logits_indices[:n]
-        self._advance(d, out)
 
     def _advance(self, d: DecodeRows, out):
         """Every request one token on. Those whose new token starts a block (the plan's `entering`) take

@@ -260,8 +260,6 @@ class Batch:
 
 # ----------------------------------------------------------------------------------------------------------
 # Part 1: the requests' book and the scheduler
-
-
 class RequestBook:
     """The requests and what happens to them after a step: a sampled token lands, a stop is checked, a request
     finishes or is aborted and gives its blocks back. It holds the queues the Scheduler plans from.
@@ -469,8 +467,6 @@ class Scheduler:
 
 # ----------------------------------------------------------------------------------------------------------
 # Checks of user input, for SamplingParams here and for nanoengine's settings and requests
-
-
 def is_int(x) -> bool:
     """A Python or numpy integer, but not a bool: True is an int to Python, never a count or a token id."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -503,7 +499,6 @@ def require(ok: bool, name: str, value, allowed: str):
 
 # ----------------------------------------------------------------------------------------------------------
 # Part 2: the steady decode, a host fast path (EngineConfig(tuned=...) "steady"; BENCHMARKS.md, host step)
-
 NO_ONE = np.zeros(0, dtype=np.int64)  # an empty selection of requests
 STEADY_MAX_STEPS = 256  # rows of tokens a SteadyDecode holds (256 steps of 256 requests: 512 KB)
 
