@@ -637,7 +637,7 @@ class Engine:
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens],
                              new if req.params.output_kind == "delta" else ids, new, text, finished,
-                             req.finish_reason, request_metrics(req))
+                             req.finish_reason, request_metrics(req, len(ids)))
 
     # -- around the steps: checking requests, sizing the cache, streaming, closing -----------------------
     def tokenize(self, prompt) -> list[int]:
@@ -779,9 +779,10 @@ class Engine:
             raise ValueError("this engine is closed (close() gave its memory back); make a new LLM or Engine")
 
 
-def request_metrics(req: Request) -> dict:
-    """The request's times (time.perf_counter s), time to first token, and time per output token after the first."""
-    first, done, n = req.first_token_time, req.finished_time, len(req.output_token_ids)
+def request_metrics(req: Request, n: int) -> dict:
+    """The request's times (time.perf_counter s), time to first token, and time per output token after the first
+    (n: its output tokens on the host, which the caller has at hand)."""
+    first, done = req.first_token_time, req.finished_time
     return dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=first,
                 finished_time=done, ttft=None if first is None else first - req.arrival_time,
                 tpot=None if first is None or done is None or n < 2 else (done - first) / (n - 1))

@@ -106,7 +106,9 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """The generated tokens the host has (without the ones still in flight)."""
         ids = self.token_ids[self.num_prompt_tokens:]
-        return ids[:ids.index(PLACEHOLDER)] if PLACEHOLDER in ids else ids
+        while ids and ids[-1] == PLACEHOLDER:
+            ids = ids[:-1]
+        return ids
 
 
 def block_key(parent: int, tokens) -> tuple:
