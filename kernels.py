@@ -1058,13 +1058,14 @@ def _decode_attention_kernel(
         q = _rope_tile(tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0),
                        tl.load(q_rows + swap[None, :], mask=row_ok[:, None], other=0.0),
                        swap, q_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(q_ptr.dtype.element_ty)
+        # The new key and value of each row's kv head: [1, D], or packed, one per row [BLOCK_M, D]. Every split
+        # loads them: inside split 0's branch below, their loads could not start until q's RoPE ends.
+        kv_of = (kv_head + row_head)[:, None] if PACK_SHIFT > 0 else tl.zeros([1, 1], dtype=tl.int32) + kv_head
+        k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
+        k = _rope_tile(tl.load(k_row + dims[None, :]), tl.load(k_row + swap[None, :]), swap, k_norm_ptr, cos,
+                       sin, eps, HEAD_DIM, HAS_NORM).to(k_cache_ptr.dtype.element_ty)
+        v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_of * stride_vh + dims[None, :])
         if split == 0:
-            # The new key and value of each row's kv head: [1, D], or packed, one per row [BLOCK_M, D]
-            kv_of = (kv_head + row_head)[:, None] if PACK_SHIFT > 0 else tl.zeros([1, 1], dtype=tl.int32) + kv_head
-            k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
-            k = _rope_tile(tl.load(k_row + dims[None, :]), tl.load(k_row + swap[None, :]), swap, k_norm_ptr, cos,
-                           sin, eps, HEAD_DIM, HAS_NORM).to(k_cache_ptr.dtype.element_ty)
-            v = tl.load(v_new_ptr + req.to(tl.int64) * stride_vt + kv_of * stride_vh + dims[None, :])
             slot = tl.where(slot < 0, scratch_slot, slot)  # padding rows write to the scratch block
             slot_ptr = slot * stride_cache_tok + kv_of * stride_cache_head + dims[None, :]
             # Packed, the first query row of each kv head writes it; unpacked, the one [1, D] row writes unmasked
