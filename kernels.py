@@ -426,8 +426,13 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if cpu:
         block_table = block_table[:, :max(1, -(-int(seq_lens.max()) // block_size))]
     context = block_table.shape[1] * block_size  # the most keys a request has
-    req, first = _query_chunks(qsl, rows, t, exact=cpu)  # [N] each chunk's request and first token
-    last = torch.minimum(first + rows, qsl[req + 1])  # [N] one past its last token (<= first: empty)
+    # N chunks: exactly as many as there are on the CPU, else (no sync) the most t tokens of B requests can make.
+    b, per_request = qsl.shape[0] - 1, (qsl[1:] - qsl[:-1] + rows - 1) // rows  # [B] chunks of each request
+    ends = per_request.cumsum(0)  # [B] one past each request's last chunk
+    chunks = torch.arange(int(per_request.sum()) if cpu else (t + b * (rows - 1)) // rows, device=qsl.device)  # [N]
+    req = torch.searchsorted(ends, chunks, right=True).clamp(max=b - 1)  # [N] each chunk's request
+    first = qsl[req] + (chunks - ends[req] + per_request[req]) * rows  # [N] and its first token
+    last = torch.minimum(first + rows, qsl[req + 1])  # [N] one past its last token (<= first: an extra chunk, empty)
     # One row more than there are tokens: a chunk's rows past its last token write there, and it is dropped.
     out = torch.zeros((t + 1, h, d), dtype=torch.float32, device=q.device)
     group = max(1, max_elements // (context * max(hkv * d, h * rows)))  # chunks at a time
@@ -439,18 +444,6 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         out[tokens] = _attend_chunks(q[tokens.clamp(max=t - 1)], k_cache, v_cache, block_table[r], seq_lens[r],
                                      pos, scale)
     return out[:t].to(q.dtype)  # [T, H, D]
-
-
-def _query_chunks(qsl: torch.Tensor, rows: int, t: int, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request's new tokens cut into chunks of up to `rows`: each chunk's request and first token,
-    [N] each. N is exact (a sync), or without a sync the most chunks t tokens of b requests can make; the
-    chunks past the real ones are empty (their first token is past their request's last)."""
-    b = qsl.shape[0] - 1
-    per_request = (qsl[1:] - qsl[:-1] + rows - 1) // rows  # [B] chunks of each request
-    ends = per_request.cumsum(0)  # [B] one past each request's last chunk
-    chunk = torch.arange(int(per_request.sum()) if exact else (t + b * (rows - 1)) // rows, device=qsl.device)  # [N]
-    req = torch.searchsorted(ends, chunk, right=True).clamp(max=b - 1)
-    return req, qsl[req] + (chunk - ends[req] + per_request[req]) * rows
 
 
 def _attend_chunks(q, k_cache, v_cache, block_table, seq_lens, pos, scale) -> torch.Tensor:
@@ -722,7 +715,6 @@ MAX_TICKETS = 1 << 16  # _last_to_finish counters: groups of programs that merge
 
 @functools.lru_cache(maxsize=None)
 def has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch needs sm_90 or later; the interpreter has no such thing."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
@@ -782,10 +774,8 @@ def _linear_kernel(
     NORM: tl.constexpr,  # one row only: the input is rmsnorm(x (+ residual)) * norm_weight
     ADD: tl.constexpr,  # ... with the residual added first
     BLOCK_M: tl.constexpr,  # 1 on the FMA path, 16 or more on the tl.dot path
-    BLOCK_N: tl.constexpr,  # weight rows per program
-    BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # weight rows per program, and elements per K step
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # see _wait_for_inputs
     PREFETCH: tl.constexpr,  # with PDL: ask L2 for the first weight tile before the wait (_prefetch_l2)
 ):
@@ -990,18 +980,15 @@ def _decode_attention_kernel(
     block_table_ptr,  # [B, max_blocks] int32
     num_splits,  # splits per (request, kv head), an upper bound fixed on the host; 1 unless SPLIT
     k_new_ptr, v_new_ptr,  # [B, Hkv, D] strided views: the new keys and values (ROPE only)
-    slot_mapping_ptr,  # [B] their cache slots; -1: a padding row (ROPE only)
-    positions_ptr,  # [B] their positions (ROPE only)
+    slot_mapping_ptr, positions_ptr,  # [B] each: their cache slots (-1: a padding row) and positions (ROPE only)
     scratch_slot,  # first slot of the scratch block
     cos_sin_ptr,  # [max_pos, D] float32, cos then sin (ROPE only)
     q_norm_ptr, k_norm_ptr, eps,  # [D] each, and the norm's epsilon (ROPE and HAS_NORM only)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_block, stride_cache_tok, stride_cache_head, stride_bt,
     qk_scale,  # softmax scale * log2(e)
-    NUM_HEADS: tl.constexpr,  # H
-    GROUP: tl.constexpr,  # H // Hkv
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,  # H, and H // Hkv
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,  # GROUP rounded up to a power of two; D
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     BLOCK_M: tl.constexpr,  # query rows: 2^PACK_SHIFT kv heads x GROUP_PAD, at least 16
     BLOCK_N: tl.constexpr,  # key-tile columns: BLOCK_N >> PACK_SHIFT keys x 2^PACK_SHIFT kv heads
@@ -1058,8 +1045,7 @@ def _decode_attention_kernel(
         q = _rope_tile(tl.load(q_rows + dims[None, :], mask=row_ok[:, None], other=0.0),
                        tl.load(q_rows + swap[None, :], mask=row_ok[:, None], other=0.0),
                        swap, q_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM).to(q_ptr.dtype.element_ty)
-        # The new key and value of each row's kv head: [1, D], or packed, one per row [BLOCK_M, D]. Every split
-        # loads them: inside split 0's branch below, their loads could not start until q's RoPE ends.
+        # The new k, v of each row's kv head ([1, D]; packed [BLOCK_M, D]), in every split: the loads overlap q's RoPE
         kv_of = (kv_head + row_head)[:, None] if PACK_SHIFT > 0 else tl.zeros([1, 1], dtype=tl.int32) + kv_head
         k_row = k_new_ptr + req.to(tl.int64) * stride_kt + kv_of * stride_kh
         k = _rope_tile(tl.load(k_row + dims[None, :]), tl.load(k_row + swap[None, :]), swap, k_norm_ptr, cos,
@@ -1199,7 +1185,6 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     if b == 0:
         return out
     group_pad = triton.next_power_of_2(h // hkv)
-    heads = decode_pack(b, hkv) if max_seq_len is not None and max_seq_len <= ATTN_PACK_MAX_CONTEXT else 1
     block_n = max(16, min(64, 8192 // d))
     min_split_tiles = triton.cdiv(ATTN_MIN_SPLIT_TOKENS, block_n)
     if num_splits is None:  # as many as fill ATTN_PROGRAMS_PER_SM a SM, and the longest context can use
@@ -1207,8 +1192,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
         num_splits = max(1, min(ATTN_PROGRAMS_PER_SM * _sm_count(q.device) // (b * hkv), max_splits, ATTN_MAX_SPLITS))
     if b * hkv * (1 + triton.cdiv(num_splits, ATTN_MERGE_FAN_IN)) > MAX_TICKETS:
         num_splits = 1  # a grid this big fills the GPU without splitting
-    if num_splits > 1:
-        heads = 1  # a grid small enough to split has nothing to pack
+    short = max_seq_len is not None and max_seq_len <= ATTN_PACK_MAX_CONTEXT
+    heads = decode_pack(b, hkv) if short and num_splits == 1 else 1  # a grid small enough to split has nothing to pack
     # Past one wave, fused RoPE would make every program wait one more round trip (cos and sin need its
     # position) before its first K/V load, once per wave: RoPE and the KV write go first, apart.
     fused = b * hkv // heads <= ATTN_PROGRAMS_PER_SM * _sm_count(q.device)
@@ -1237,7 +1222,6 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
 
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_lens, block_table, cos_sin, scale,
                          q_norm=None, k_norm=None, eps=1e-6, max_seq_len=None) -> torch.Tensor:
-    """What it replaces: rope_write_kv_ref (q rotated in place), then paged_attention_ref."""
     rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm, k_norm, eps)
     qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_table, scale, 1)
@@ -1252,8 +1236,7 @@ def _moe_decode_gate_up_kernel(
     act_ptr,  # [A, I] float32 out: silu(gate) * up
     top_k, inter, hidden,  # k, I, D
     stride_xm, stride_we, stride_wn,
-    BLOCK_N: tl.constexpr,  # gate rows (and as many up rows) per program
-    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # gate rows (and as many up rows) per program; K per step
     PDL: tl.constexpr,  # see _wait_for_inputs
 ):
     # One row of activations: an FMA per weight element, summed over K once at the end, as linear's
@@ -1287,8 +1270,7 @@ def _moe_decode_down_kernel(
     out_ptr,  # [N, D] contiguous
     top_k, hidden, inter,  # k, D (the outputs), I
     stride_we, stride_wn,
-    BLOCK_N: tl.constexpr,  # output features per program
-    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # output features per program; K per step
     PDL: tl.constexpr,  # see _wait_for_inputs
 ):
     # A program owns BLOCK_N outputs of one token and walks its top_k experts, so the weighted sum over
@@ -1352,7 +1334,6 @@ def fused_moe_decode(x, gate_up, down, topk_weights, topk_ids, gate_up_blocks=No
 
 
 def fused_moe_tuned(x, gate_up, down, topk_weights, topk_ids, pdl: bool = False) -> torch.Tensor:
-    """fused_moe_decode up to MOE_DECODE_MAX_TOKENS tokens (a host-side size), fused_moe past that."""
     if x.shape[0] <= MOE_DECODE_MAX_TOKENS:
         return fused_moe_decode(x, gate_up, down, topk_weights, topk_ids, pdl=pdl)
     return fused_moe(x, gate_up, down, topk_weights, topk_ids, pdl)
@@ -1363,10 +1344,8 @@ def fused_moe_tuned(x, gate_up, down, topk_weights, topk_ids, pdl: bool = False)
 def _moe_route_kernel(
     logits_ptr,  # [T, E] router logits, contiguous
     weights_ptr, ids_ptr,  # [T, TOP_K] out each: routing weights (the logits' dtype), expert ids (int64), best first
-    NUM_EXPERTS: tl.constexpr,
-    EXPERTS_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr,  # E, and E rounded up to a power of two
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr,  # k, and k rounded up to a power of two
     RENORM: tl.constexpr,  # divide the k weights by their sum (Qwen3-MoE's norm_topk_prob)
     PDL: tl.constexpr,  # see _wait_for_inputs
 ):
@@ -1408,8 +1387,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = F
 
 def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool):
     """As Hugging Face's Qwen3-MoE block does it (the textbook path's routing)."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
-    weights, ids = probs.topk(top_k, dim=-1)  # [T, k]
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # [T, k] each
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(logits.dtype), ids
@@ -1433,10 +1411,8 @@ def _race_kernel(
     tickets_ptr,  # [>= S] int32 zeros (_tickets)
     tokens_ptr,  # [S] int64 out
     vocab, stride_s,  # V, and elements between two rows of logits
-    NUM_CHUNKS: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,  # NUM_CHUNKS rounded up to a power of two
-    CHUNK: tl.constexpr,  # vocabulary ids per program
-    BLOCK_V: tl.constexpr,  # ids per loop step
+    NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr,  # programs a row, and rounded up to a power of two
+    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr,  # vocabulary ids per program, and per loop step
     GREEDY: tl.constexpr,  # every row has temperature 0: the argmax, no noise
     PDL: tl.constexpr,  # see _wait_for_inputs
 ):
