@@ -47,7 +47,6 @@ class GraphRunner:
                  buckets: list[int], token_buckets: list[int], capture: bool):
         self.model, self.kv_cache, self.capture_graphs = model, kv_cache, capture
         self.buckets, self.token_buckets = sorted(set(buckets)), sorted(set(token_buckets))
-        assert min(self.buckets + self.token_buckets) >= 1, f"bucket sizes {self.buckets}, {self.token_buckets}"
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]  # the longest context the block table holds
         hkv = kv_cache.shape[4]
         # Each decode bucket's graphs, by the longest context each serves: the model's bounds, then any.
@@ -66,8 +65,7 @@ class GraphRunner:
         dtype, hidden = model.lm_head.weight.dtype, model.config.hidden_size
         self.logits = torch.empty(self.buckets[-1], model.config.vocab_size, dtype=dtype, device=dev)
         self.hidden = torch.empty(max(self.token_buckets, default=0), hidden, dtype=dtype, device=dev)
-        self.graphs = {}
-        self.capture_seconds, self.capture_bytes = 0.0, 0
+        self.graphs, self.capture_seconds, self.capture_bytes = {}, 0.0, 0  # what capture() fills
         self.rows_run = self.rows_real = 0  # padding waste: rows (decode) or tokens (prompt) run vs real
         if capture:
             if not model.graph_safe:
@@ -79,8 +77,7 @@ class GraphRunner:
     def decode_batch(self, b: int, bound: int) -> Batch:
         return Batch(input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
                      query_start_loc=self.decode_qsl[:b + 1], seq_lens=self.seq_lens[:b],
-                     block_table=self.block_table[:b], logits_indices=self.rows[:b], max_query_len=1,
-                     max_seq_len=bound)
+                     block_table=self.block_table[:b], logits_indices=self.rows[:b], max_query_len=1, max_seq_len=bound)
 
     def prompt_batch(self, t: int) -> Batch:
         r = self._prompt_rows(t)
@@ -129,8 +126,7 @@ class GraphRunner:
             pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = torch.cuda.memory_reserved() - reserved
+        self.capture_seconds, self.capture_bytes = time.perf_counter() - t0, torch.cuda.memory_reserved() - reserved
 
     # -- a step -------------------------------------------------------------------------------------------
     def key_for(self, batch: Batch) -> tuple | None:

@@ -7,8 +7,7 @@
 
 Results go to stdout as JSON lines (generate's text, unless --json), progress to stderr. Bad input prints one
 line naming the problem and exits with status 2. On the CPU the defaults are smaller where a command would take
-long, and each command's --help says how long it takes. Imports nanoengine (and kernels.py, for the launch costs).
-"""
+long, and each command's --help says how long it takes. Imports nanoengine (and kernels.py, for the launch costs)."""
 import argparse
 import collections
 import json
@@ -48,7 +47,7 @@ CPU_CONFIGS = ("eager", "fused", "fused+async", "tuned")
 CUDA_CONFIGS = ("eager", "fused", "fused+graphs", "fused+graphs+async", "tuned")
 # The flags named as EngineConfig fields, which the commands that have them pass on as they are
 ENGINE_FLAGS = ("model", "dtype", "tuned", "enforce_eager", "triton_linear_rows", "triton_narrow_rows", "num_blocks",
-                "max_num_seqs", "max_num_batched_tokens", "cudagraph_mode")
+                "max_num_seqs", "max_num_batched_tokens", "cudagraph_mode", "device")
 
 
 def emit(record: dict):
@@ -60,18 +59,14 @@ def note(text: str):
     print(text, file=sys.stderr, flush=True)
 
 
-def device_of(a) -> str:
-    return a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def fill_defaults(a, device: str, names):
+def fill_defaults(a, names):
     for name in names:
         if getattr(a, name) is None:
-            setattr(a, name, DEVICE_DEFAULTS[name][0 if device.startswith("cuda") else 1])
+            setattr(a, name, DEVICE_DEFAULTS[name][0 if a.device.startswith("cuda") else 1])
 
 
 def engine_settings(a, **settings) -> dict:
-    return {"device": device_of(a), **{name: getattr(a, name) for name in ENGINE_FLAGS if hasattr(a, name)}, **settings}
+    return {name: getattr(a, name) for name in ENGINE_FLAGS if hasattr(a, name)} | settings
 
 
 def make_engine(label: str, settings: dict) -> Engine:
@@ -102,11 +97,11 @@ def measure_bandwidth(device: str) -> float:
     return 2 * src.numel() / best
 
 
-def floor_bandwidth(a, device: str) -> tuple[float, dict]:
+def floor_bandwidth(a) -> tuple[float, dict]:
     """The bytes/s the floors divide by (--bandwidth, else measured here), and the JSON fields that report it."""
     if a.bandwidth is None:
-        note(f"measuring the copy bandwidth of {device} (under a second; --bandwidth skips it) ...")
-        bandwidth, source = measure_bandwidth(device), "measured"
+        note(f"measuring the copy bandwidth of {a.device} (under a second; --bandwidth skips it) ...")
+        bandwidth, source = measure_bandwidth(a.device), "measured"
     elif a.bandwidth > 0:
         bandwidth, source = a.bandwidth, "--bandwidth"
     else:
@@ -142,11 +137,10 @@ def ladder(a, cuda: bool) -> list[str]:
 
 
 def cmd_overhead(a):
-    device = device_of(a)
-    cuda = device.startswith("cuda")
+    cuda = a.device.startswith("cuda")
     names, slots = ladder(a, cuda), a.slots or a.requests
     EngineConfig(**engine_settings(a, max_num_seqs=slots))  # bad settings fail here, before any progress line
-    bandwidth, bandwidth_fields = floor_bandwidth(a, device)
+    bandwidth, bandwidth_fields = floor_bandwidth(a)
     tau = launch_costs() if cuda else None
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True, output_kind="final_only")
     header, records, reference, fused_reference = None, [], None, None
@@ -157,7 +151,7 @@ def cmd_overhead(a):
         note(f"{name}: warm-up, then {a.requests} requests x {a.new_tokens} tokens ...")
         run_engine(engine, prompts, SamplingParams(temperature=0, max_tokens=3, output_kind="final_only"))
         r = run_engine(engine, prompts, params)
-        header = header or overhead_header(engine, a, device, bandwidth, bandwidth_fields)
+        header = header or overhead_header(engine, a, bandwidth, bandwidth_fields)
         reference = reference or r["outputs"]
         fused_reference = fused_reference or (r["outputs"] if name != "eager" else None)
         steps = max(r["steps"], 1)
@@ -194,10 +188,10 @@ def same_share(outputs: list, reference: list) -> float:
     return round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 4)
 
 
-def overhead_header(engine: Engine, a, device: str, bandwidth: float, bandwidth_fields: dict) -> dict:
+def overhead_header(engine: Engine, a, bandwidth: float, bandwidth_fields: dict) -> dict:
     context = a.prompt_len + a.new_tokens // 2
     floor = floor_seconds(engine, a.requests, context, bandwidth)
-    dev = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    dev = torch.cuda.get_device_name() if engine.cuda else "cpu"
     return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests, prompt_len=a.prompt_len,
                 new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4), **bandwidth_fields,
                 floor_note=f"decode step at mean context {context}: weights + KV bytes / {bandwidth / 1e12:.3f} TB/s")
@@ -293,8 +287,7 @@ def launch_model(engine: Engine, prompts, floor_ms: float, tau: dict, steps: int
 # ----------------------------------------------------------------------------------------------------------
 # run.py online: requests arrive over time; what a user waits for
 def cmd_online(a):
-    device = device_of(a)
-    fill_defaults(a, device, ("requests", "min_prompt", "max_prompt", "output_len", "join_prompt_len"))
+    fill_defaults(a, ("requests", "min_prompt", "max_prompt", "output_len", "join_prompt_len"))
     if a.min_prompt > a.max_prompt:
         raise ValueError(f"--min-prompt {a.min_prompt} is more than --max-prompt {a.max_prompt}")
     if not (a.burst or a.rate > 0):
@@ -351,8 +344,7 @@ def drive(engine: Engine, load: list, output_len: int) -> dict:
             time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
             continue
         for o in step():
-            t = time.perf_counter()
-            times[o.request_id][1].extend([t] * len(o.new_token_ids))
+            times[o.request_id][1].extend([time.perf_counter()] * len(o.new_token_ids))
         if time.perf_counter() - last > PROGRESS_S:
             last = time.perf_counter()
             note(f"  {last - t0:.0f} s: {len(times)} arrived, {len(engine.book.requests)} running or waiting")
@@ -436,11 +428,10 @@ def cmd_generate(a):
 
 def cmd_bench(a):
     """nano-vllm's offline protocol: random prompt and output lengths in [min_len, max_len], ignore_eos."""
-    device = device_of(a)
-    fill_defaults(a, device, ("num_requests", "min_len", "max_len"))
+    fill_defaults(a, ("num_requests", "min_len", "max_len"))
     if a.min_len > a.max_len:
         raise ValueError(f"--min-len {a.min_len} is more than --max-len {a.max_len}")
-    bandwidth, bandwidth_fields = floor_bandwidth(a, device)  # before the engine takes the GPU's memory
+    bandwidth, bandwidth_fields = floor_bandwidth(a)  # before the engine takes the GPU's memory
     engine = make_engine("bench", engine_settings(a, async_scheduling=not a.sync))
     rng, vocab = random.Random(a.seed), engine.model.config.vocab_size
     reqs = [([rng.randrange(vocab) for _ in range(rng.randint(a.min_len, a.max_len))],
@@ -469,7 +460,7 @@ def cmd_bench(a):
             last = time.perf_counter()
             note(f"  {engine.stats.tokens} of {planned} output tokens, {last - t0:.0f} s, "
                  f"{len(engine.book.requests)} requests left")
-    sync_device(device)
+    sync_device(a.device)
     wall = time.perf_counter() - t0
     emit(dict(model=a.model, requests=a.num_requests, output_tokens=out_tokens, prompt_tokens=prompt_tokens,
               wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
@@ -517,7 +508,8 @@ def make_parser() -> Parser:
     common = Parser(add_help=False)
     common.add_argument("--model", default="tiny",
                         help=f"checkpoint folder or preset: {', '.join(PRESETS)} (default: %(default)s)")
-    common.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    common.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda or cpu (default: cuda if available)")
     common.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on the CPU)")
     common.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
     common.add_argument("--tuned", nargs="?", const=True, default=True, metavar="VARIANTS",

@@ -437,18 +437,15 @@ class Scheduler:
             budget -= n
 
     def _grow(self, req: Request, n: int) -> bool:
-        """Room for n more tokens of req, preempting others (newest first) if needed; False if req itself had to go."""
+        """Room for n more tokens of req, preempting others if needed: each time the most recently arrived running
+        request not already in this step, else req itself. False if req itself had to go."""
         while not self.blocks.allocate(req, n):
-            victim = self._victim(req)
+            candidates = [r for r in self.book.running if r is not req and r.last_step != self.step_id]
+            victim = max(candidates, key=lambda r: r.arrival, default=req)
             self._preempt(victim)
             if victim is req:
                 return False
         return True
-
-    def _victim(self, req: Request) -> Request:
-        """The most recently arrived running request not already in this step; req itself if none."""
-        candidates = [r for r in self.book.running if r is not req and r.last_step != self.step_id]
-        return max(candidates, key=lambda r: r.arrival, default=req)
 
     def _preempt(self, req: Request):
         self._preempted = True
@@ -486,7 +483,6 @@ KINDS = {
 
 
 def check_type(name: str, value, kind: str, optional: bool = False):
-    """TypeError naming the argument, its value and what it may hold unless value is of `kind` (or None if optional)."""
     test, words = KINDS[kind]
     if not (test(value) or (optional and value is None)):
         raise TypeError(f"{name}={value!r:.80} has type {type(value).__name__}: it must be {words}"
@@ -494,7 +490,6 @@ def check_type(name: str, value, kind: str, optional: bool = False):
 
 
 def require(ok: bool, name: str, value, allowed: str):
-    """ValueError naming the argument, its value and what is allowed, unless ok."""
     if not ok:
         raise ValueError(f"{name}={value!r:.80} is invalid: it must be {allowed}")
 
