@@ -32,7 +32,7 @@ from torch import nn
 
 import kernels
 from graphs import GraphRunner, default_buckets, default_token_buckets
-from scheduler import (FINISHED, PLACEHOLDER, RUNNING, SEED_RANGE, Batch, BlockManager, Request, RequestBook,
+from scheduler import (FINISHED, PLACEHOLDER, SEED_RANGE, Batch, BlockManager, Request, RequestBook,
                        SamplingParams, Scheduler, SteadyBook, SteadyScheduler, check_type, is_int, require)
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
@@ -328,11 +328,8 @@ class Staging:
     def _copy(self, arrays: list) -> list[torch.Tensor]:
         dtype = arrays[0].dtype
         offsets, total = aligned_offsets([a.size for a in arrays], dtype.itemsize)
-        buf = self.buffers[self.turn].get(dtype)
-        if buf is None or buf.numel() < total:
-            buf = torch.empty(max(total, 2 * (0 if buf is None else buf.numel())),
-                              dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
-            self.buffers[self.turn][dtype] = buf
+        buf = self.buffers[self.turn][dtype]
+        assert buf.numel() >= total, f"{total} {dtype} values to stage, but the buffer holds {buf.numel()}"
         host = buf.numpy()
         for a, o in zip(arrays, offsets):
             host[o:o + a.size] = a.ravel()
@@ -349,7 +346,7 @@ class InputBuilder:
 
     def __init__(self, cfg: "EngineConfig", vocab_size: int, max_blocks_per_seq: int):
         self.block_size, self.vocab_size = cfg.block_size, vocab_size
-        rows = 2 * cfg.max_num_seqs  # live requests: running, or preempted and coming back
+        rows = cfg.max_num_seqs  # one per running request: a preempted or finished one gives its row back
         self.row_of: dict[Request, int] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
         self.table = np.zeros((rows, max_blocks_per_seq), dtype=np.int32)  # block-table rows
@@ -381,11 +378,7 @@ class InputBuilder:
         return rows
 
     def _new_row(self, req: Request) -> int:
-        if not self.free_rows:  # rows of requests not running now (preempted ones re-sync when back)
-            for r in [r for r in self.row_of if r.status != RUNNING]:
-                self.release(r)
-        row = self.free_rows.pop()
-        self.row_of[req] = row
+        row = self.row_of[req] = self.free_rows.pop()
         self.row_nblocks[row] = 0
         p = req.params
         self.temperature[row], self.top_p[row], self.seed[row] = p.temperature, p.top_p, req.seed
@@ -472,10 +465,9 @@ class InputBuilder:
 class ModelRunner:
     """Owns the KV cache and the graphs; runs a step's forward (graphed or eager) and its sampler."""
 
-    def __init__(self, model: Model, cfg: "EngineConfig", num_blocks: int, max_len: int, inputs: InputBuilder):
+    def __init__(self, model: Model, cfg: "EngineConfig", num_blocks: int, max_blocks: int, inputs: InputBuilder):
         mc = model.config
-        self.model, self.cfg, self.inputs, self.device = model, cfg, inputs, torch.device(cfg.device)
-        self.max_blocks_per_seq = -(-max_len // cfg.block_size)
+        self.model, self.inputs, self.device = model, inputs, torch.device(cfg.device)
         # One extra block at the end: the scratch block. The block manager never hands it out; padding
         # tokens (slot -1) write there, so they can never touch a real request's KV.
         self.kv_cache = torch.zeros(2, mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads,
@@ -484,7 +476,7 @@ class ModelRunner:
         tokens = () if cfg.cudagraph_mode == "full_decode_only" else \
             (cfg.graph_token_buckets or default_token_buckets(cfg.max_num_batched_tokens))
         self.graphs = None if cfg.enforce_eager else GraphRunner(
-            model, self.kv_cache, self.max_blocks_per_seq, cfg.max_num_seqs,
+            model, self.kv_cache, max_blocks, cfg.max_num_seqs,
             cfg.graph_buckets or default_buckets(cfg.max_num_seqs), list(tokens), capture=self.device.type == "cuda")
 
     def close(self):
@@ -543,7 +535,7 @@ class Engine:
         # Finished, aborted or preempted requests give their rows back. The builder's bound method, not a
         # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
         self.book.on_release = inputs.release
-        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len, inputs)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, max_blocks, inputs)
         self.stats = self.runner.stats  # StepStats: where the steps' time goes (run.py reads it)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
@@ -616,8 +608,7 @@ class Engine:
         if self.readback is None:
             self.readback = [torch.empty(self.cfg.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.readback.reverse()
-        host = self.readback[0][:tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
+        host = self.readback[0][:tokens.shape[0]].copy_(tokens, non_blocking=True)
         return host, torch.cuda.current_stream().record_event()  # says when the tokens have landed
 
     def _land(self) -> list[Request]:
@@ -677,8 +668,7 @@ class Engine:
         if bad:
             raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
         if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most "
-                             f"{limit - 1}")
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most {limit - 1}")
         capacity = self.book.blocks.num_blocks * self.cfg.block_size
         need = min(len(ids) + params.max_tokens, limit)
         if need > capacity:
@@ -886,7 +876,6 @@ class StepStats:
         return self.total_s - self.forward_s - self.wait_s
 
     def now(self):
-        """A recorded CUDA event on CUDA, the time on the CPU; None while timing is off."""
         if not self.timing:
             return None
         if not self.cuda:
@@ -1369,15 +1358,14 @@ class SteadyInputBuilder(InputBuilder):
         """The first step of a steady decode: its rows are built now, so the next step only advances them.
         Its inputs are the requests' last tokens, or where one is in flight (async), last step's output."""
         d = self.decode = self._decode_rows(out)
-        reqs = out.requests
-        ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
+        ids = np.array([r.token_ids[-1] for r in out.requests], dtype=np.int64)
         fills = np.flatnonzero(ids == PLACEHOLDER)
-        src = np.array([self.prev_rows[reqs[i]] for i in fills.tolist()], dtype=np.int64)
+        src = np.array([self.prev_rows[out.requests[i]] for i in fills.tolist()], dtype=np.int64)
         (input_ids, fills, src, positions, slots, counters), (block_table,) = self.staging.to_device(
             [ids, fills, src, *d.rows64], [d.block_table])
         if len(fills):
             input_ids[fills] = self.prev_tokens[src]
-        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, reqs
+        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, out.requests
 
     @staticmethod
     def _rows_batch(d: DecodeRows, input_ids, positions, slots, counters, block_table) -> Batch:
@@ -1396,20 +1384,18 @@ class SteadyInputBuilder(InputBuilder):
             [np.arange(n + 1, dtype=np.int32)], [temperature, self.top_p[rows]])
         sampling = SamplingBatch(temperature=temperature_t, top_k=top_k, top_p=top_p, seeds=seeds, counters=None,
                                  all_greedy=not temperature.any(), need_filter=bool(self.filtered[rows].any()))
-        ints64 = np.stack([pos, self._slots(rows, pos), pos + 1])
-        max_seq_len = int(pos.max()) + 1
+        ints64, max_seq_len = np.stack([pos, self._slots(rows, pos), pos + 1]), int(pos.max()) + 1
         return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
                           max_seq_len=max_seq_len, block_table=self._block_table(rows, max_seq_len),
                           query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
 
     def _condense(self, d: DecodeRows, out, kept: np.ndarray):
         """Some requests left since last step: keep the rows of those that stay, in order."""
-        n = len(kept)
         # C order, as np.stack made it: each of its rows is then one array, staged as it is (rows64)
         d.steady, d.rows, d.ints64 = out.steady, d.rows[kept], np.ascontiguousarray(d.ints64[:, kept])
         d.rows64, d.max_seq_len = tuple(d.ints64), int(d.ints64[2].max())
         d.block_table = self._block_table(d.rows, d.max_seq_len)
-        d.query_start_loc, d.logits_indices = d.query_start_loc[:n + 1], d.logits_indices[:n]
+        d.query_start_loc, d.logits_indices = d.query_start_loc[:len(kept) + 1], d.logits_indices[:len(kept)]
 
     def _advance(self, d: DecodeRows, out):
         """Every request one token on. Those whose new token starts a block (the plan's `entering`) take
