@@ -291,7 +291,7 @@ def rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_si
 
 
 # -- 1.4 paged_attention: causal attention of each request's new tokens over its paged KV cache ---------
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D] strided view: this step's queries (prompt chunks and decodes alike)
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -300,7 +300,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32: request b's tokens are [qsl[b], qsl[b + 1])
     seq_lens_ptr,  # [B] context length including this step's tokens; 0: a padding request
     block_table_ptr,  # [B, max_blocks] int32: request b's KV blocks, in order
-    num_seqs,  # B
+    num_seqs,  # B (this and stride_bt vary from step to step: one compile serves every value, no stall)
     stride_qt, stride_qh,  # q's strides: tokens, heads
     stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt,  # elements between two rows of the block table

@@ -24,7 +24,8 @@ named here fails test_the_index_names_every_test.
         test_kernel_paged_attention_decode_batches, test_kernel_paged_attention_one_token_rows_with_an_empty_request,
         test_kernel_paged_attention_all_padding, test_kernel_paged_attention_grid_depends_on_sizes_only,
         test_kernel_paged_attention_never_reads_what_it_did_not_write, test_kernel_paged_attention_ref_in_small_chunks,
-        test_attention_ref_memory_does_not_grow_with_the_square_of_a_long_prompt
+        test_attention_ref_memory_does_not_grow_with_the_square_of_a_long_prompt,
+        test_kernel_gpu_paged_attention_compiles_once_for_any_batch (one compile for any batch: no stall mid-run)
     1.5 moe_align: grouped by expert on the device, shapes from sizes only ... test_kernel_moe_align
     1.6 fused_moe ...................................... test_kernel_fused_moe, test_kernel_fused_moe_rejects_bad_input
     on the GPU: bf16 at Qwen3 shapes; no launcher synchronises with the host
@@ -1212,6 +1213,25 @@ def test_kernel_gpu_paged_attention_bf16(q_lens, seq_lens):
     ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
+
+
+@needs_cuda
+def test_kernel_gpu_paged_attention_compiles_once_for_any_batch():
+    """An eager prompt step's request count and block-table width change from step to step: paged_attention
+    compiles once for all of them, so a load run never meets a compile (it stalls the GPU for up to a second)."""
+    h, hkv, d, page = 16, 8, 128, 16
+    compiled, prev = [], triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("repr"))
+    try:  # requests 1, 2, 3, 16 and widths 1, 16, 33, 2: Triton would specialise on == 1 and multiples of 16
+        for q_lens, seq_lens, width in [([5], [5], 1), ([3, 1], [40, 9], 16), ([20, 1, 1], [40, 9, 300], 33),
+                                        ([1] * 16, [17] * 16, 2)]:
+            q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, width, seed=45, device=CUDA_DEVICE,
+                                         dtype=BF16)
+            out = kernels.paged_attention(q, *tensors, d**-0.5, 20)  # one host-side bound: the same tiles
+            torch.testing.assert_close(out, kernels.paged_attention_ref(q, *tensors, d**-0.5, 20), **BF16_GEMM_TOL)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = prev
+    assert len(compiled) <= 1, compiled
 
 
 @needs_cuda
