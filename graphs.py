@@ -8,12 +8,10 @@ replays fixed addresses and fixed grids, so:
 - the padding fills the bucket with tokens that cannot touch a real request: token 0 at position 0, slot
   -1 (its KV goes to the scratch block, which the block manager never hands out), owned by padding
   requests of seq_len 0 (attention reads no KV for them and returns zeros);
-- the Batch a graph was captured with holds the bucket's sizes (rows, max_query_len, max_seq_len), never
-  a step's: the kernels' grids and tiles are fixed at capture, and the real lengths are only data;
+- the Batch a graph was captured with holds the bucket's sizes (requests, max_query_len, max_seq_len),
+  never a step's: the kernels' grids and tiles are fixed at capture, and the real lengths are only data;
 - outputs go to static buffers too (the decode graphs' logits, the prompt graphs' hidden states), so the
-  graphs share one memory pool: it holds the largest graph's activations, not every graph's outputs;
-- where the forward's kernels depend on how long the contexts are (Part 2's packed decode attention), a
-  decode bucket has one graph per side of each bound, and a step replays the one its longest context allows.
+  graphs share one memory pool: it holds the largest graph's activations, not every graph's outputs.
 
 These are vLLM's "full" CUDA graphs (cudagraph_mode FULL): the whole forward, attention included, which
 works because paged attention reads every length from device buffers and sizes its grid from the bucket.
@@ -28,7 +26,7 @@ from scheduler import Batch
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
-    """Decode buckets, decided here only: fine steps where padding would waste most, then every 8."""
+    """Decode buckets (requests), decided here only: fine steps where padding would waste most, then every 8."""
     return sorted({min(s, max_num_seqs) for s in [1, 2, 4, 8, *range(16, max_num_seqs + 8, 8)]})
 
 
@@ -48,9 +46,6 @@ class GraphRunner:
         self.model, self.kv_cache, self.capture_graphs = model, kv_cache, capture
         self.buckets, self.token_buckets = sorted(set(buckets)), sorted(set(token_buckets))
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]  # the longest context the block table holds
-        hkv = kv_cache.shape[4]
-        # Each decode bucket's graphs, by the longest context each serves: the model's bounds, then any.
-        self.bounds = {b: (*model.ops.decode_context_bounds(b, hkv), self.max_seq_len) for b in self.buckets}
         dev, n_tok = kv_cache.device, max(self.buckets[-1], *self.token_buckets, 0)
         n_seq = max_num_seqs + 1  # one more than a step can have: a padding request always fits
         self.input_ids = torch.zeros(n_tok, dtype=torch.int64, device=dev)
@@ -59,14 +54,14 @@ class GraphRunner:
         self.seq_lens = torch.zeros(n_seq, dtype=torch.int64, device=dev)
         self.block_table = torch.zeros(n_seq, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(n_seq + 1, dtype=torch.int32, device=dev)
-        # A decode row has one query token, so its query offsets and sampled rows never change: 0, 1, 2, ...
+        # A decode request has one query token, so its query offsets and sampled tokens never change: 0, 1, 2...
         self.decode_qsl = torch.arange(self.buckets[-1] + 1, dtype=torch.int32, device=dev)
-        self.rows = torch.arange(self.buckets[-1], dtype=torch.int64, device=dev)
+        self.every_token = torch.arange(self.buckets[-1], dtype=torch.int64, device=dev)
         dtype, hidden = model.lm_head.weight.dtype, model.config.hidden_size
         self.logits = torch.empty(self.buckets[-1], model.config.vocab_size, dtype=dtype, device=dev)
         self.hidden = torch.empty(max(self.token_buckets, default=0), hidden, dtype=dtype, device=dev)
         self.graphs, self.capture_seconds, self.capture_bytes = {}, 0.0, 0  # what capture() fills
-        self.rows_run = self.rows_real = 0  # padding waste: rows (decode) or tokens (prompt) run vs real
+        self.tokens_run = self.tokens_real = 0  # padding waste: tokens run (the buckets') vs real (the steps')
         if capture:
             if not model.graph_safe:
                 raise ValueError("CUDA graphs need a forward that never reads batch values on the host: load the "
@@ -74,36 +69,36 @@ class GraphRunner:
             self.capture()
 
     # -- the Batch of each graph, over the static buffers ---------------------------------------------
-    def decode_batch(self, b: int, bound: int) -> Batch:
+    def decode_batch(self, key: tuple) -> Batch:
+        b = key[1]  # requests, a token each
         return Batch(input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
                      query_start_loc=self.decode_qsl[:b + 1], seq_lens=self.seq_lens[:b],
-                     block_table=self.block_table[:b], logits_indices=self.rows[:b], max_query_len=1, max_seq_len=bound)
-
-    def prompt_batch(self, t: int) -> Batch:
-        r = self._prompt_rows(t)
-        return Batch(input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
-                     query_start_loc=self.query_start_loc[:r + 1], seq_lens=self.seq_lens[:r],
-                     block_table=self.block_table[:r], logits_indices=self.rows[:0], max_query_len=t,
+                     block_table=self.block_table[:b], logits_indices=self.every_token[:b], max_query_len=1,
                      max_seq_len=self.max_seq_len)
 
-    def _prompt_rows(self, t: int) -> int:
-        """Request rows of a prompt graph of t tokens: every request has a token, so at most t, and one
-        more for the padding tokens' request."""
+    def prompt_batch(self, key: tuple) -> Batch:
+        t, r = key[1], self._prompt_requests(key[1])
+        return Batch(input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
+                     query_start_loc=self.query_start_loc[:r + 1], seq_lens=self.seq_lens[:r],
+                     block_table=self.block_table[:r], logits_indices=self.every_token[:0], max_query_len=t,
+                     max_seq_len=self.max_seq_len)
+
+    def _prompt_requests(self, t: int) -> int:
+        """Requests of a prompt graph of t tokens: every request has a token, so at most t, and one more
+        for the padding tokens' request."""
         return min(self.seq_lens.shape[0] - 1, t) + 1
 
-    def forward(self, key) -> None:
+    def forward(self, key: tuple) -> None:
         """The captured work: the model on a bucket's static Batch, its output into a static buffer."""
-        kind, size, bound = key
-        if kind == "decode":
-            hidden = self.model(self.decode_batch(size, bound), self.kv_cache)  # (b, hidden): every row samples
-            self.model.compute_logits(hidden, out=self.logits[:size])
+        if key[0] == "decode":
+            hidden = self.model(self.decode_batch(key), self.kv_cache)  # (b, hidden): every token samples
+            self.model.compute_logits(hidden, out=self.logits[:key[1]])
         else:
-            self.hidden[:size].copy_(self.model(self.prompt_batch(size), self.kv_cache))
+            self.hidden[:key[1]].copy_(self.model(self.prompt_batch(key), self.kv_cache))
 
     def keys(self) -> list[tuple]:
-        """Every graph, largest first: the first sets the pool's size, and the rest fit in it."""
-        decode = [("decode", b, bound) for b in reversed(self.buckets) for bound in self.bounds[b]]
-        return [("prompt", t, 0) for t in reversed(self.token_buckets)] + decode
+        """Every graph, (kind, size), largest first: the first sets the pool's size, and the rest fit in it."""
+        return [("prompt", t) for t in reversed(self.token_buckets)] + [("decode", b) for b in reversed(self.buckets)]
 
     @torch.inference_mode()
     def capture(self):
@@ -130,25 +125,24 @@ class GraphRunner:
 
     # -- a step -------------------------------------------------------------------------------------------
     def key_for(self, batch: Batch) -> tuple | None:
-        """The graph a step replays, or None (it runs eagerly). Decode: the smallest bucket that holds its
-        requests and the smallest context bound its longest context allows. Otherwise by tokens."""
+        """The graph a step replays, or None (it runs eagerly): a decode step by its requests, else by its tokens,
+        each in the smallest bucket that holds it."""
         tokens, reqs = batch.input_ids.shape[0], batch.seq_lens.shape[0]
         if batch.max_query_len == 1 and tokens == reqs and reqs <= self.buckets[-1]:
-            b = next(b for b in self.buckets if b >= reqs)
-            return "decode", b, next(bound for bound in self.bounds[b] if batch.max_seq_len <= bound)
+            return "decode", next(b for b in self.buckets if b >= reqs)
         if self.token_buckets and tokens <= self.token_buckets[-1]:
-            return "prompt", next(t for t in self.token_buckets if t >= tokens), 0
+            return "prompt", next(t for t in self.token_buckets if t >= tokens)
         return None
 
     def run(self, batch: Batch) -> torch.Tensor | None:
-        """Copy the step in, pad to its bucket, replay. Returns the logits of the sampled rows, or None if
+        """Copy the step in, pad to its bucket, replay. Returns the logits of the sampled tokens, or None if
         no graph holds the step."""
         key = self.key_for(batch)
         if key is None:
             return None
-        kind, size, _ = key
+        kind, size = key[0], key[1]
         T, B = batch.input_ids.shape[0], batch.seq_lens.shape[0]
-        self.rows_run, self.rows_real = self.rows_run + size, self.rows_real + T
+        self.tokens_run, self.tokens_real = self.tokens_run + size, self.tokens_real + T
         self.input_ids[:T].copy_(batch.input_ids)
         self.positions[:T].copy_(batch.positions)
         self.slot_mapping[:T].copy_(batch.slot_mapping)
@@ -159,11 +153,11 @@ class GraphRunner:
             self.input_ids[T:size].zero_()
             self.positions[T:size].zero_()
             self.slot_mapping[T:size].fill_(-1)
-        rows = size if kind == "decode" else self._prompt_rows(size)
-        self.seq_lens[B:rows].zero_()
+        reqs = size if kind == "decode" else self._prompt_requests(size)
+        self.seq_lens[B:reqs].zero_()
         if kind == "prompt":  # request B owns the padding tokens [T, size); the rest own none
             self.query_start_loc[:B + 1].copy_(batch.query_start_loc)
-            self.query_start_loc[B + 1:rows + 1].fill_(size)
+            self.query_start_loc[B + 1:reqs + 1].fill_(size)
         if self.capture_graphs:
             self.graphs[key].replay()
         else:

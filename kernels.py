@@ -5,17 +5,18 @@ Map (Part 1 is the chapter; Part 2 the decode-speed variants the tuned path swap
 | kernel               | what it does in one launch                                        | called by (nanoengine.py) |
 |----------------------|-------------------------------------------------------------------|---------------------------|
 | 1.1 add_rmsnorm      | residual += x, then RMSNorm                                       | DecoderLayer, Model       |
-| 1.2 silu_and_mul     | silu(gate) * up                                                   | DecoderLayer, fused_moe   |
+| 1.2 silu_and_mul     | silu(gate) * up                                                   | MLP, fused_moe            |
 | 1.3 rope_write_kv    | per-head RMSNorm, RoPE, and the KV-cache write                    | Attention                 |
 | 1.4 paged_attention  | causal attention over the paged cache, any batch                  | Attention                 |
 | 1.5 moe_align        | (token, expert) pairs grouped by expert, on the device            | fused_moe                 |
 | 1.6 fused_moe        | every expert's MLP as one grouped GEMM per projection             | MoE                       |
-| 2.1 pdl              | the next kernel waits on the SMs while this one runs              | every kernel, pdl=True    |
-| 2.2 linear           | matmul for few rows; + add_rmsnorm before, silu after             | tuned_ops: linear, MLP    |
-| 2.3 decode_attention | rope_write_kv + paged_attention at decode, split-KV, packed heads | tuned_ops: Attention      |
-| 2.4 fused_moe_decode | fused_moe for a few tokens as two GEMVs                           | tuned_ops: MoE            |
-| 2.5 moe_route        | softmax, top-k, renormalise                                       | tuned_ops: MoE            |
-| 2.6 race_sample      | sampling in one pass over the logits                              | tuned_ops: sample         |
+| 1.7 race_sample_ref  | sampling as an exponential race (torch: the kernel is 2.6)        | sample                    |
+| 2.1 pdl              | the next kernel waits on the SMs while this one runs              | every Part 2 kernel       |
+| 2.2 linear           | matmul for few rows; + add_rmsnorm before, silu after             | TunedDecoderLayer         |
+| 2.3 decode_attention | rope_write_kv + paged_attention at decode, split-KV, packed heads | TunedDecoderLayer         |
+| 2.4 fused_moe_decode | fused_moe for a few tokens as two GEMVs                           | MoE (tuned_ops)           |
+| 2.5 moe_route        | softmax, top-k, renormalise                                       | MoE (tuned_ops)           |
+| 2.6 race_sample      | sampling in one pass over the logits                              | sample (tuned_ops)        |
 
 Every kernel is three pieces with the same arguments: `_name_kernel` (the Triton program), `name()` (the
 launcher: checks inputs, picks block sizes from host-side sizes only, launches) and `name_ref()` (plain
@@ -38,24 +39,15 @@ import triton.language as tl
 # ==========================================================================================================
 # Part 1: the chapter's kernels
 # ==========================================================================================================
-# Each "# -- 1.n" section is a unit you can copy: with torch, triton, triton.language as tl and this header,
-# it runs (test_all.py runs each in a fresh namespace, after the sections its title says it needs).
-
-
-@triton.jit
-def _wait_for_inputs(PDL: tl.constexpr):
-    """Every kernel calls this before it reads what an earlier kernel wrote. On the textbook path PDL is
-    False and it does nothing; Part 2's programmatic dependent launch explains the rest."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def _launch_options(pdl: bool) -> dict:
-    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
+# Each "# -- 1.n" section is a unit you can copy: with torch, triton and triton.language as tl imported, it runs
+# (test_all.py runs each from a file of its own, after the sections its title says it needs).
 
 
 # -- 1.1 add_rmsnorm: the pre-norm residual stream, residual += x, then RMSNorm, in one pass --------------
+NORM_TILE = 4096  # short rows go a few to a program, up to this many elements (a warp's loads stay wide) ...
+NORM_MIN_PROGRAMS = 256  # ... while at least this many programs remain (two an SM on a 132-SM card)
+
+
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr,  # [N, D] the layer's output, row stride stride_x
@@ -69,9 +61,7 @@ def _add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,  # False before the first layer: there is no residual yet
     BLOCK_ROWS: tl.constexpr,  # rows per program
     BLOCK_D: tl.constexpr,  # D rounded up to a power of two
-    PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    _wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
@@ -99,8 +89,8 @@ def _check_add_rmsnorm_args(x, residual, weight, weight_name: str = "weight") ->
                          f"{tuple(residual.shape)} strides {tuple(residual.stride())} {residual.dtype}")
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual) for x [..., D]. The sum is written IN PLACE into
     `residual` (contiguous), which is returned. residual None (the first layer): (rmsnorm(x) * weight, x)."""
     _check_add_rmsnorm_args(x, residual, weight)
@@ -110,13 +100,12 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     num_rows = x2.shape[0]
     if num_rows:
         block_d = triton.next_power_of_2(dim)
-        # Short rows go a few to a program (up to 4K elements), while 256 programs or more remain.
-        rows = max(1, min(4096 // block_d, num_rows // 256))
+        rows = max(1, min(NORM_TILE // block_d, num_rows // NORM_MIN_PROGRAMS))
         block_rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
         _add_rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
             x2, x2 if residual is None else residual, weight, out, num_rows, x2.stride(0), dim, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-            num_warps=4 if block_rows * block_d <= 2048 else 8, **_launch_options(pdl))
+            num_warps=4 if block_rows * block_d <= 2048 else 8)
     return out, (x if residual is None else residual)
 
 
@@ -135,6 +124,9 @@ def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
 
 
 # -- 1.2 silu_and_mul: the gated MLP's activation, silu(gate) * up --------------------------------------
+SILU_BLOCK = 1024  # outputs a program: a wide row splits over several programs, so a few rows still fill the GPU
+
+
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [N, 2I] gate | up, as the fused gate_up matmul stores them; row stride stride_x
@@ -142,9 +134,7 @@ def _silu_and_mul_kernel(
     stride_x,  # elements between two rows of x
     inter,  # I
     BLOCK: tl.constexpr,  # outputs per program
-    PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    _wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -153,7 +143,7 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * inter + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2I] -> silu(x[:, :I]) * x[:, I:], [N, I]: one read of gate and up, one write, where torch
     would write silu(gate) and read it back."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
@@ -161,9 +151,8 @@ def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     n, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     if n:
-        block = min(triton.next_power_of_2(inter), 1024)
-        _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block,
-                                                             num_warps=4, **_launch_options(pdl))
+        block = min(triton.next_power_of_2(inter), SILU_BLOCK)
+        _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block, num_warps=4)
     return out
 
 
@@ -227,9 +216,7 @@ def _rope_write_kv_kernel(
     KV_PAD: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
     HALF: tl.constexpr,  # D / 2
     HAS_NORM: tl.constexpr,  # Qwen3: RMSNorm on each head of q and k before the rotation
-    PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    _wait_for_inputs(PDL)
     # One program per token does all its heads: cos and sin are loaded once.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -252,8 +239,7 @@ def _rope_write_kv_kernel(
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                  pdl: bool = False) -> None:
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> None:
     """q [T, H, D] rotated in place (after the optional per-head norm); k the same but written to its slot
     of k_cache [num_blocks, block_size, Hkv, D] (k itself is left as it was), v beside it in v_cache.
     cos = cos_sin[pos, :D/2], sin = cos_sin[pos, D/2:]. Slot -1 goes to the scratch block (the last)."""
@@ -272,7 +258,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
         q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
         NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_PAD=triton.next_power_of_2(h), KV_PAD=triton.next_power_of_2(hkv),
-        HALF=d // 2, HAS_NORM=has_norm, num_warps=4, **_launch_options(pdl))
+        HALF=d // 2, HAS_NORM=has_norm, num_warps=4)
 
 
 def rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm=None, k_norm=None,
@@ -291,6 +277,12 @@ def rope_write_kv_ref(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_si
 
 
 # -- 1.4 paged_attention: causal attention of each request's new tokens over its paged KV cache ---------
+LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2 is one instruction): scores are scaled by log2(e)
+ATTN_TILE_ROWS = 64  # a prompt tile's rows, query tokens x the heads of a group: a tl.dot wide enough to pay
+ATTN_TILE_BYTES = 16384  # a K or V tile in bytes: with 16-bit values, several pipeline stages fit in shared memory
+ATTN_REF_CHUNK = 64  # paged_attention_ref's queries at a time: scores of 64 x context, not context x context
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D] strided view: this step's queries (prompt chunks and decodes alike)
@@ -313,9 +305,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # query rows per program: BLOCK_Q tokens x GROUP_PAD heads (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # keys per tile
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    _wait_for_inputs(PDL)
     # Program (i, kv_head) takes query tile i of the batch, for one kv head and the GROUP query heads that
     # share it, so K and V are read once per group. Request b's tiles are numbered from qsl[b] // BLOCK_Q +
     # b: the grid, T // BLOCK_Q + B tiles, depends on sizes only, never on the lengths, so a CUDA graph can
@@ -376,8 +366,8 @@ def _paged_attention_kernel(
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, max_query_len: int,
-                    pdl: bool = False) -> torch.Tensor:
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                    max_query_len: int) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context -> out [T, H, D].
 
     Request b owns tokens query_start_loc[b]:query_start_loc[b + 1] of q, at positions seq_lens[b] - q_len
@@ -398,73 +388,47 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t == 0 or b == 0:
         return out
     group_pad = triton.next_power_of_2(h // hkv)
-    # A decode batch has one token a request; prompt chunks take 64-row tiles (tokens x heads).
-    block_q = 1 if max_query_len == 1 else max(1, 64 // group_pad)
-    block_m = max(16, block_q * group_pad)
-    block_n = max(16, min(64, 8192 // d))  # a K or V tile of 16 KB in bf16: several pipeline stages fit
+    block_q = 1 if max_query_len == 1 else max(1, ATTN_TILE_ROWS // group_pad)  # a decode: one token a request
+    block_m = max(16, block_q * group_pad)  # tl.dot needs 16 rows at least
+    block_n = max(16, min(64, ATTN_TILE_BYTES // (2 * d)))
     _paged_attention_kernel[(t // block_q + b, hkv)](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, b, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * 1.4426950408889634,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         GROUP=h // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4, **_launch_options(pdl))
+        num_warps=8 if block_m >= 128 else 4)
     return out
 
 
-def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, max_query_len,
-                        chunk: int = 64, max_elements: int = 1 << 24) -> torch.Tensor:
-    """Plain torch, no host sync, in bounded memory: each request's new tokens in chunks of up to `chunk`
-    queries, each chunk over its own request's context (scores chunk x context), chunks a group at a time
-    while a group's tensors stay within max_elements float32 elements (64 MB)."""
+def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
+                        max_query_len) -> torch.Tensor:
+    """The math, one request at a time: its new tokens are the last of its context, and each attends to the
+    keys up to its own position, gathered from the request's blocks. Queries go ATTN_REF_CHUNK at a time, so
+    memory grows with the context, not its square. The lengths are read on the host (free on the CPU)."""
     t, h, d = q.shape
-    if t == 0:
-        return q.clone()
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
-    rows = min(max_query_len, chunk)  # queries a chunk
-    qsl, seq_lens = query_start_loc.long(), seq_lens.long()
-    cpu = q.device.type == "cpu"  # lengths cost nothing to read here: only the keys and chunks in use
-    if cpu:
-        block_table = block_table[:, :max(1, -(-int(seq_lens.max()) // block_size))]
-    context = block_table.shape[1] * block_size  # the most keys a request has
-    # N chunks: exactly as many as there are on the CPU, else (no sync) the most t tokens of B requests can make.
-    b, per_request = qsl.shape[0] - 1, (qsl[1:] - qsl[:-1] + rows - 1) // rows  # [B] chunks of each request
-    ends = per_request.cumsum(0)  # [B] one past each request's last chunk
-    chunks = torch.arange(int(per_request.sum()) if cpu else (t + b * (rows - 1)) // rows, device=qsl.device)  # [N]
-    req = torch.searchsorted(ends, chunks, right=True).clamp(max=b - 1)  # [N] each chunk's request
-    first = qsl[req] + (chunks - ends[req] + per_request[req]) * rows  # [N] and its first token
-    last = torch.minimum(first + rows, qsl[req + 1])  # [N] one past its last token (<= first: an extra chunk, empty)
-    # One row more than there are tokens: a chunk's rows past its last token write there, and it is dropped.
-    out = torch.zeros((t + 1, h, d), dtype=torch.float32, device=q.device)
-    group = max(1, max_elements // (context * max(hkv * d, h * rows)))  # chunks at a time
-    for c in range(0, req.shape[0], group):
-        r = req[c:c + group]
-        tokens = first[c:c + group, None] + torch.arange(rows, device=q.device)  # [n, rows]
-        tokens = torch.where(tokens < last[c:c + group, None], tokens, t)
-        pos = seq_lens[r, None] - (qsl[r + 1, None] - tokens)  # [n, rows] each query's position
-        out[tokens] = _attend_chunks(q[tokens.clamp(max=t - 1)], k_cache, v_cache, block_table[r], seq_lens[r],
-                                     pos, scale)
-    return out[:t].to(q.dtype)  # [T, H, D]
-
-
-def _attend_chunks(q, k_cache, v_cache, block_table, seq_lens, pos, scale) -> torch.Tensor:
-    """n chunks of queries, each over its own request's context: q [n, rows, H, D], block_table [n, max_blocks],
-    seq_lens [n], pos [n, rows] (a query sees keys 0..pos). Masked softmax in float32 -> [n, rows, H, D]."""
-    n, rows, h, d = q.shape
-    num_blocks, block_size, hkv, _ = k_cache.shape
-    blocks = block_table.long().clamp(0, num_blocks - 1)  # unused entries may hold anything: masked below
-    keys = torch.arange(blocks.shape[1] * block_size, device=q.device)  # [L]
-    in_context = (keys[None, :] < seq_lens[:, None])[:, :, None, None]  # [n, L, 1, 1]
-    # Slots past seq_len may hold anything, NaN included, and 0 * NaN is NaN: zero them before the matmuls.
-    k = torch.where(in_context, k_cache[blocks].reshape(n, -1, hkv, d).float(), 0.0)  # [n, L, Hkv, D]
-    v = torch.where(in_context, v_cache[blocks].reshape(n, -1, hkv, d).float(), 0.0)
-    scores = torch.einsum("nqhgd,nlhd->nhgql", q.float().view(n, rows, hkv, h // hkv, d), k) * scale
-    visible = ((keys <= pos[:, :, None]) & (keys < seq_lens[:, None, None]))[:, None, None]  # [n, 1, 1, rows, L]
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # rows with no key: 0, not NaN
-    return torch.einsum("nhgql,nlhd->nqhgd", probs, v).reshape(n, rows, h, d)
+    out = torch.zeros((t, h, d), dtype=torch.float32, device=q.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, n in enumerate(lens):  # a padding request (n = 0) sees no key: its rows stay 0
+        first, last = starts[b], starts[b + 1]
+        blocks = block_table[b, :triton.cdiv(n, block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(h // hkv, dim=1)  # [n, H, D]
+        v = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(h // hkv, dim=1)
+        for i in range(first, last, ATTN_REF_CHUNK):
+            j = min(i + ATTN_REF_CHUNK, last)
+            pos = torch.arange(n - last + i, n - last + j, device=q.device)  # [j - i] the queries' positions
+            scores = torch.einsum("qhd,khd->hqk", q[i:j].float(), k) * scale  # [H, j - i, n]
+            scores.masked_fill_(torch.arange(n, device=q.device) > pos[:, None], float("-inf"))
+            out[i:j] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)  # [T, H, D]
 
 
 # -- 1.5 moe_align: group a MoE layer's (token, expert) assignments by expert, without the host ----------
+MOE_ALIGN_MAX = 32768  # assignments one program walks; past this, torch's parallel sort (moe_align_ref) is faster
+MOE_ALIGN_BLOCK = 1024  # assignments (or slots) a loop step of that program
+MOE_OWNER_TILE = 8192  # blocks x experts compared at once when each block finds its expert
+
+
 def moe_max_padded(num_assignments: int, num_experts: int, block_m: int) -> int:
     """Length of sorted_ids: a bound on the padded total that depends on sizes only. Each expert with
     tokens wastes at most block_m - 1 padding slots, and at most min(assignments, experts) have tokens:
@@ -487,9 +451,7 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,  # each expert's group is padded to a multiple of this
     BLOCK_A: tl.constexpr,  # assignments (or slots) per loop step
     BLOCK_B: tl.constexpr,  # blocks per loop step
-    PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    _wait_for_inputs(PDL)
     # One program, so that tl.debug_barrier (which also orders the program's memory accesses) can
     # separate the phases; atomics count the assignments and claim the slots.
     experts = tl.arange(0, EXPERTS_PAD)
@@ -524,8 +486,8 @@ def _moe_align_kernel(
         tl.store(sorted_ids_ptr + dest, a, mask=a < num_assignments)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the N * k assignments of topk_ids [N, k] by expert, each group padded to a multiple of block_m.
     Returns sorted_ids int32 [max_padded] (assignment token * k + j; padding = N * k), block_expert int32
     [max_padded // block_m] and num_padded int32 [1], all on the device: no size is read back, so a CUDA
@@ -534,7 +496,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"expected int [N, k] topk_ids and positive num_experts and block_m, got "
                          f"{topk_ids.dtype} {tuple(topk_ids.shape)}, {num_experts}, {block_m}")
     num_assignments = topk_ids.numel()
-    if num_assignments > 32768:  # one program walks them all: past this, torch's parallel sort is faster
+    if num_assignments > MOE_ALIGN_MAX:
         return moe_align_ref(topk_ids, num_experts, block_m)
     max_padded = moe_max_padded(num_assignments, num_experts, block_m)
     num_blocks, experts_pad = max_padded // block_m, triton.next_power_of_2(num_experts)
@@ -545,9 +507,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     _moe_align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, cursor, num_assignments, max_padded,
         NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
-        BLOCK_A=min(1024, triton.next_power_of_2(max_padded)),
-        BLOCK_B=min(triton.next_power_of_2(num_blocks), max(1, 8192 // experts_pad)),  # owner tiles <= 8K
-        num_warps=4, **_launch_options(pdl))
+        BLOCK_A=min(MOE_ALIGN_BLOCK, triton.next_power_of_2(max_padded)),
+        BLOCK_B=min(triton.next_power_of_2(num_blocks), max(1, MOE_OWNER_TILE // experts_pad)),
+        num_warps=4)
     return sorted_ids, block_expert, num_padded
 
 
@@ -570,6 +532,22 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 # -- 1.6 fused_moe: every expert's MLP as one grouped GEMM per projection (needs 1.2 and 1.5) -----------
+# The grouped GEMM's tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the assignments an expert gets on
+# average: up to ~16 the layer streams the experts' weights (narrow tiles, most experts one block of rows);
+# past that it is compute-bound and takes bigger tiles.
+MOE_TILES = ((8, (16, 64, 128, 4, 4)), (16, (32, 64, 128, 4, 4)), (64, (64, 128, 64, 4, 3)),
+             (float("inf"), (128, 256, 64, 8, 3)))
+
+
+def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """The router, as Hugging Face's Qwen3-MoE block: softmax in float32, the top k, renormalised if the
+    config says so -> (weights, expert ids), [T, k] each."""
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
 @triton.jit
 def _fused_moe_kernel(
     a_ptr,  # [rows, K] activations: one row per token (gate_up) or per assignment (down)
@@ -591,9 +569,7 @@ def _fused_moe_kernel(
     BLOCK_M: tl.constexpr,  # assignments per program: one block of sorted_ids, all of one expert
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    _wait_for_inputs(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     # The grid covers the worst-case padded length; blocks past what this routing uses stop here.
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -619,7 +595,7 @@ def _fused_moe_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < n_out)[None, :])
 
 
-def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks, pdl: bool) -> None:
+def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks) -> None:
     """out[assignment] = a[assignment // a_row_div] @ w[expert].T (* its router weight when given)."""
     (sorted_ids, block_expert, num_padded), (block_m, block_n, block_k, num_warps, num_stages) = align, blocks
     _fused_moe_kernel[(block_expert.shape[0], triton.cdiv(w.shape[1], block_n))](
@@ -627,7 +603,7 @@ def _moe_gemm(a, w, out, align, topk_weights, a_row_div: int, blocks, pdl: bool)
         out.shape[0], w.shape[1], w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **_launch_options(pdl))
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
 def _check_moe_args(x, gate_up, down, topk_weights, topk_ids) -> None:
@@ -642,7 +618,7 @@ def _check_moe_args(x, gate_up, down, topk_weights, topk_ids) -> None:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+              topk_ids: torch.Tensor) -> torch.Tensor:
     """out[n] = sum_j w[n, j] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])), e = topk_ids[n, j], for
     x [N, D], gate_up [E, 2I, D] (gate rows first), down [E, D, I], topk_* [N, k]. Assignments are sorted
     by expert on the device (moe_align), so one launch serves every expert and nothing waits for the host."""
@@ -651,17 +627,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     num_assignments = n * top_k
     if num_assignments == 0:
         return torch.zeros_like(x)
-    # Tiles from the tokens an expert gets on average: up to ~16 the layer streams the experts' weights
-    # (narrow tiles, most experts in one block); past that it is compute-bound and takes bigger tiles.
-    per_expert = num_assignments / num_experts
-    blocks = ((16, 64, 128, 4, 4) if per_expert <= 8 else (32, 64, 128, 4, 4) if per_expert <= 16 else
-              (64, 128, 64, 4, 3) if per_expert <= 64 else (128, 256, 64, 8, 3))
-    align = moe_align(topk_ids, num_experts, blocks[0], pdl)
+    blocks = next(tiles for most, tiles in MOE_TILES if num_assignments / num_experts <= most)
+    align = moe_align(topk_ids, num_experts, blocks[0])
     gate_up_out = torch.empty((num_assignments, two_i), dtype=x.dtype, device=x.device)  # [A, 2I]
-    _moe_gemm(x, gate_up, gate_up_out, align, None, top_k, blocks, pdl)
-    act = silu_and_mul(gate_up_out, pdl)  # [A, I]
+    _moe_gemm(x, gate_up, gate_up_out, align, None, top_k, blocks)
+    act = silu_and_mul(gate_up_out)  # [A, I]
     down_out = torch.empty((num_assignments, d), dtype=x.dtype, device=x.device)  # [A, D]
-    _moe_gemm(act, down, down_out, align, topk_weights.reshape(-1).contiguous(), 1, blocks, pdl)
+    _moe_gemm(act, down, down_out, align, topk_weights.reshape(-1).contiguous(), 1, blocks)
     return down_out.view(n, top_k, d).sum(dim=1)  # [N, D]
 
 
@@ -678,6 +650,53 @@ def fused_moe_ref(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
         out[assignment] = (torch.nn.functional.silu(gate) * up) @ down[e].float().t() \
             * topk_weights.reshape(-1)[assignment].float()[:, None]
     return out.view(n, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+# -- 1.7 race_sample_ref: sampling as an exponential race, with noise that is a function, not a state -----
+def race_sample_plain(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The idea in three lines (gpt-fast's sampler): with E ~ Exp(1) drawn for every token, probs / E is
+    largest at a token drawn from softmax(logits / temperature). One argmax: no cumulative sum, no search."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+
+
+# A server needs two things more. A request's tokens must not depend on its batch: torch's generator hands
+# out its noise in order, so a row's draw would change with the rows before it. And a CUDA graph cannot
+# advance a generator's state on the host. So each E comes from a hash of (the request's seed, the index of
+# the token being sampled, the vocabulary id): the same noise in any batch, any row, eager or replayed, and a
+# kernel can make it in registers (2.6). argmax(probs / E) = argmax(logits / T - log E), so no softmax either.
+def _check_race_args(logits, temperature, seeds, counters) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point() or not logits.is_contiguous():
+        raise ValueError(f"logits must be a contiguous float [S, V], got {logits.dtype} {tuple(logits.shape)}")
+    for name, t in (("temperature", temperature), ("seeds", seeds), ("counters", counters)):
+        if t.shape != (logits.shape[0],):
+            raise ValueError(f"{name} must be [{logits.shape[0]}], got {tuple(t.shape)}")
+
+
+def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 in int64 arithmetic, keeping the low 32 bits (int64 products wrap, low bits intact)."""
+    x = (x ^ (x >> 16)) * 0x7FEB352D & 0xFFFFFFFF
+    x = (x ^ (x >> 15)) * 0x846CA68B & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def race_noise_ref(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, V] uniforms in (0, 1), the ones the kernel makes in registers."""
+    m = 0xFFFFFFFF
+    key = _hash32_ref((seeds & m) ^ _hash32_ref(seeds >> 32 & m) ^ _hash32_ref(counters * 0x9E3779B9 & m))
+    ids = torch.arange(vocab, device=seeds.device)
+    return ((_hash32_ref(key[:, None] ^ ids[None, :]) >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def race_sample_ref(logits, temperature, seeds, counters, greedy: bool = False) -> torch.Tensor:
+    """The textbook sampler: the same race in torch, with the [S, V] noise made in memory."""
+    _check_race_args(logits, temperature, seeds, counters)
+    logits = logits.float()  # exact for 16-bit logits, as the kernel reads them
+    if greedy:
+        return logits.argmax(dim=1)
+    u = race_noise_ref(seeds, counters, logits.shape[1])  # [S, V]
+    t = temperature.float()[:, None]
+    return torch.where(t == 0, logits, logits / t.clamp(min=1e-5) - torch.log(-torch.log(u))).argmax(dim=1)
 
 
 # ==========================================================================================================
@@ -711,11 +730,25 @@ MAX_TICKETS = 1 << 16  # _last_to_finish counters: groups of programs that merge
 # Launched as a programmatic dependent launch, the next kernel's programs take their places while this one runs and
 # wait at griddepcontrol.wait (_wait_for_inputs) until its writes are visible. A kernel releases the next only after
 # its own wait, so at most two are in flight and each sees every earlier kernel's writes: no result changes.
-# Before its wait a kernel may read only what no kernel writes: weights, and what the host staged.
+# Before its wait a kernel may read only what no kernel writes: weights, and what the host staged. Part 1's kernels
+# launch as usual: one of them waits for the kernel before it to end, and the kernel after it starts as it ends.
+
 
 @functools.lru_cache(maxsize=None)
 def has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    """Every Part 2 kernel calls this before it reads what an earlier kernel wrote, then lets the next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _launch_options(pdl: bool) -> dict:
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 @triton.jit
@@ -911,7 +944,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.mm(x2, weight.t(), out=out.view(m, n)).view(out.shape)
         y = torch.nn.functional.linear(x, weight, bias)
         if gated:
-            y = silu_and_mul(y.reshape(m, n), pdl).view(*x.shape[:-1], n // 2)
+            y = silu_and_mul(y.reshape(m, n)).view(*x.shape[:-1], n // 2)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty((*x.shape[:-1], n // 2 if gated else n), dtype=x.dtype, device=x.device)
@@ -933,7 +966,7 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     x2, n = x.reshape(-1, x.shape[-1]), weight.shape[0]
     blocks = linear_blocks(1, n, x.shape[-1], x.element_size(), gated) if x2.shape[0] == 1 and max_rows else None
     if blocks is None or blocks[1] < LINEAR_NORM_MIN_BLOCK_N:
-        h, residual = add_rmsnorm(x, residual, norm_weight, eps, pdl)
+        h, residual = add_rmsnorm(x, residual, norm_weight, eps)
         return linear(h, weight, bias, max_rows, narrow_rows, gated, pdl), residual
     out = torch.empty((*x.shape[:-1], n // 2 if gated else n), dtype=x.dtype, device=x.device)
     new_residual = None if residual is None else torch.empty_like(x)
@@ -1185,7 +1218,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     if b == 0:
         return out
     group_pad = triton.next_power_of_2(h // hkv)
-    block_n = max(16, min(64, 8192 // d))
+    block_n = max(16, min(64, ATTN_TILE_BYTES // (2 * d)))
     min_split_tiles = triton.cdiv(ATTN_MIN_SPLIT_TOKENS, block_n)
     if num_splits is None:  # as many as fill ATTN_PROGRAMS_PER_SM a SM, and the longest context can use
         max_splits = triton.cdiv(block_table.shape[1] * block_size, block_n * min_split_tiles)
@@ -1198,7 +1231,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     # position) before its first K/V load, once per wave: RoPE and the KV write go first, apart.
     fused = b * hkv // heads <= ATTN_PROGRAMS_PER_SM * _sm_count(q.device)
     if not fused:
-        rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm, k_norm, eps, pdl)
+        rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm, k_norm, eps)
     block_m, stages = max(16, heads * group_pad), 2  # fewer stages, more programs an SM: short contexts
     if heads > 1:  # key tiles of 128 columns (keys x heads)
         block_n, stages = max(16, heads, min(ATTN_PACK_BLOCK_N, 16384 // d)), 3
@@ -1212,7 +1245,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
         k, v, slot_mapping, positions, (k_cache.shape[0] - 1) * block_size, cos_sin,
         q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * 1.4426950408889634,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E,
         NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, PACK_SHIFT=heads.bit_length() - 1, SPLIT=num_splits > 1, MIN_SPLIT_TILES=min_split_tiles,
         MERGE_FAN_IN=ATTN_MERGE_FAN_IN, ROPE=fused, HAS_NORM=has_norm and fused, num_warps=8 if block_m >= 128 else 4,
@@ -1336,7 +1369,7 @@ def fused_moe_decode(x, gate_up, down, topk_weights, topk_ids, gate_up_blocks=No
 def fused_moe_tuned(x, gate_up, down, topk_weights, topk_ids, pdl: bool = False) -> torch.Tensor:
     if x.shape[0] <= MOE_DECODE_MAX_TOKENS:
         return fused_moe_decode(x, gate_up, down, topk_weights, topk_ids, pdl=pdl)
-    return fused_moe(x, gate_up, down, topk_weights, topk_ids, pdl)
+    return fused_moe(x, gate_up, down, topk_weights, topk_ids)
 
 
 # -- 2.5 moe_route: the router's softmax, top-k and renormalisation in one launch (replaces torch's five) ---
@@ -1385,15 +1418,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, pdl: bool = F
     return weights, ids
 
 
-def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """As Hugging Face's Qwen3-MoE block does it (the textbook path's routing)."""
-    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # [T, k] each
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(logits.dtype), ids
-
-
-# -- 2.6 race_sample: sampling in one pass over the logits (replaces race_sample_ref's torch ops) --------
+# -- 2.6 race_sample: sampling in one pass over the logits (replaces 1.7's race_sample_ref) -----------
 @triton.jit
 def _hash32(x):
     """lowbias32 on uint32 lanes: multiplications wrap mod 2**32, shifts are logical."""
@@ -1454,14 +1479,6 @@ def _race_kernel(
             tl.store(tokens_ptr + row, tl.min(tl.where(scores == tl.max(scores, axis=0), ids, vocab), axis=0))
 
 
-def _check_race_args(logits, temperature, seeds, counters) -> None:
-    if logits.dim() != 2 or not logits.is_floating_point() or not logits.is_contiguous():
-        raise ValueError(f"logits must be a contiguous float [S, V], got {logits.dtype} {tuple(logits.shape)}")
-    for name, t in (("temperature", temperature), ("seeds", seeds), ("counters", counters)):
-        if t.shape != (logits.shape[0],):
-            raise ValueError(f"{name} must be [{logits.shape[0]}], got {tuple(t.shape)}")
-
-
 def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                 greedy: bool = False, pdl: bool = False) -> torch.Tensor:
     """Logits [S, V] -> tokens [S] int64: argmax at temperature 0, else a draw from softmax(logits / temperature)
@@ -1481,29 +1498,3 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
             _tickets(logits.device), tokens, vocab, logits.stride(0), NUM_CHUNKS=chunks, CHUNK=RACE_CHUNK, BLOCK_V=1024,
             CHUNKS_PAD=triton.next_power_of_2(chunks), GREEDY=greedy, num_warps=4, **_launch_options(pdl))
     return tokens
-
-
-def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 in int64 arithmetic, keeping the low 32 bits (int64 products wrap, low bits intact)."""
-    x = (x ^ (x >> 16)) * 0x7FEB352D & 0xFFFFFFFF
-    x = (x ^ (x >> 15)) * 0x846CA68B & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-def race_noise_ref(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[S, V] uniforms in (0, 1), the ones the kernel makes in registers."""
-    m = 0xFFFFFFFF
-    key = _hash32_ref((seeds & m) ^ _hash32_ref(seeds >> 32 & m) ^ _hash32_ref(counters * 0x9E3779B9 & m))
-    ids = torch.arange(vocab, device=seeds.device)
-    return ((_hash32_ref(key[:, None] ^ ids[None, :]) >> 8).float() + 0.5) * (1.0 / (1 << 24))
-
-
-def race_sample_ref(logits, temperature, seeds, counters, greedy: bool = False) -> torch.Tensor:
-    """The textbook sampler: the same race in torch, with the [S, V] noise made in memory."""
-    _check_race_args(logits, temperature, seeds, counters)
-    logits = logits.float()  # exact for 16-bit logits, as the kernel reads them
-    if greedy:
-        return logits.argmax(dim=1)
-    u = race_noise_ref(seeds, counters, logits.shape[1])  # [S, V]
-    t = temperature.float()[:, None]
-    return torch.where(t == 0, logits, logits / t.clamp(min=1e-5) - torch.log(-torch.log(u))).argmax(dim=1)

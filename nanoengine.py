@@ -33,13 +33,14 @@ from torch import nn
 import kernels
 from graphs import GraphRunner, default_buckets, default_token_buckets
 from scheduler import (FINISHED, PLACEHOLDER, SEED_RANGE, Batch, BlockManager, Request, RequestBook,
-                       SamplingParams, Scheduler, SteadyBook, SteadyScheduler, check_type, is_int, require)
+                       SamplingParams, Scheduler, SteadyBook, SteadyScheduler, cdiv, check_type, is_int, require)
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
 
 CPU_KV_BYTES = 512 << 20          # KV cache on the CPU: 16k blocks for `tiny`, modest for real shapes
 CUDA_SPARE_BYTES = 1 << 30        # kept free on CUDA beyond the measured activations: cuBLAS, the allocator
 STAGING_ALIGN_BYTES = 16          # staged tensors start 16-byte aligned: see aligned_offsets
+NO_INDEX = np.zeros(0, dtype=np.int64)  # an empty index array
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -53,15 +54,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def textbook_ops(triton: bool) -> SimpleNamespace:
     """The operations the forward calls by name: Part 1's Triton launchers, or their plain-torch references
-    (same arguments). Part 2 (tuned_ops) swaps some for decode-speed variants and fills the two None slots."""
+    (same arguments); the MoE router and the sampler's race (kernels 1.6, 1.7) are torch either way."""
     k = lambda name: getattr(kernels, name if triton else name + "_ref")  # noqa: E731
     return SimpleNamespace(
         add_rmsnorm=k("add_rmsnorm"), silu_and_mul=k("silu_and_mul"), rope_write_kv=k("rope_write_kv"),
         paged_attention=k("paged_attention"), fused_moe=k("fused_moe"), linear=linear,
-        moe_route=kernels.moe_route_ref, race_sample=kernels.race_sample_ref,
-        add_rmsnorm_linear=None,  # Part 2: the norm made as the matmul after it loads its input
-        decode_attention=None,  # Part 2: rope_write_kv and paged_attention in one launch, for decode
-        decode_context_bounds=lambda b, hkv: ())  # Part 2: context lengths where decode attention's tiles change
+        moe_route=kernels.moe_route_ref, race_sample=kernels.race_sample_ref)
 
 
 def rope_cos_sin(cfg: "ModelConfig", max_pos: int, device) -> torch.Tensor:
@@ -102,11 +100,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: "ModelConfig"):
         super().__init__()
         self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        self.eps, self.scale, self.fused = cfg.rms_norm_eps, cfg.head_dim ** -0.5, False
         self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = self.k_norm = None  # Qwen3 normalises each head of q and k
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(self.D), RMSNorm(self.D)
 
@@ -115,24 +114,33 @@ class Attention(nn.Module):
         the GPU: one (H + 2 Hkv) D-row matmul streams its weight at a better rate than three."""
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
+        self.fused = True
 
-    def forward(self, qkv: torch.Tensor, batch: Batch, k_cache, v_cache, cos_sin, ops) -> torch.Tensor:
-        """qkv (T, (H + 2 Hkv) D): q, k and v side by side -> (T, hidden)."""
+    def qkv(self, h: torch.Tensor, ops) -> torch.Tensor:
+        """(T, hidden) -> (T, (H + 2 Hkv) D): q, k and v side by side."""
+        if self.fused:
+            return ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
+        return torch.cat([F.linear(h, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)], -1)
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, (H + 2 Hkv) D) -> q (T, H, D), k and v (T, Hkv, D): strided views, no copy."""
         T, H, Hkv, D = qkv.shape[0], self.H, self.Hkv, self.D
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)  # strided views, no copy
-        qn, kn = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
-        if ops.decode_attention and batch.max_query_len == 1 and T == batch.seq_lens.shape[0]:
-            # Part 2 (kernels 2.3): a decode batch's RoPE, KV write and attention in one launch
-            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, batch.seq_lens,
-                                     batch.block_table, cos_sin, self.scale, qn, kn, self.eps,
-                                     max_seq_len=batch.max_seq_len)
-        else:
-            # q rotated in place; k rotated into its cache slot, v beside it
-            ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, qn, kn, self.eps)
-            o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
-                                    self.scale, batch.max_query_len)  # (T, H, D)
-        return ops.linear(o.view(T, H * D), self.o_proj.weight, self.o_proj.bias)
+        return q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+
+    def norms(self) -> tuple:
+        """The per-head norms' weights (q, k), or (None, None)."""
+        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+
+    def forward(self, qkv: torch.Tensor, batch: Batch, k_cache, v_cache, cos_sin, ops) -> torch.Tensor:
+        """qkv (T, (H + 2 Hkv) D) -> (T, hidden)."""
+        q, k, v = self.heads(qkv)
+        # q rotated in place; k rotated into its cache slot, v beside it
+        ops.rope_write_kv(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin, *self.norms(),
+                          self.eps)
+        o = ops.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                self.scale, batch.max_query_len)  # (T, H, D)
+        return ops.linear(o.view(qkv.shape[0], -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -141,14 +149,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.fused = False
 
     def fuse(self):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])  # (2I, hidden): gate rows, then up
         del self.gate_proj, self.up_proj
+        self.fused = True
 
-    def forward(self, x, ops):
-        """Unfused (the eager baseline, and a MoE's experts before fusion)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, h, ops):
+        if self.fused:  # one matmul for gate and up, then silu(gate) * up in one pass
+            return ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up_proj.weight)), self.down_proj.weight)
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))  # as Hugging Face writes it
 
 
 class MoE(nn.Module):
@@ -156,7 +167,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: "ModelConfig"):
         super().__init__()
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.fused = cfg.num_experts_per_tok, cfg.norm_topk_prob, False
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
@@ -166,19 +177,19 @@ class MoE(nn.Module):
             [torch.cat([e.gate_proj.weight.data, e.up_proj.weight.data]) for e in self.experts]))
         self.w_down = nn.Parameter(torch.stack([e.down_proj.weight.data for e in self.experts]))  # (E, hidden, I)
         del self.experts
+        self.fused = True
 
-    def forward(self, x, ops):
-        # softmax in float32 as HF does, top k, renormalised if the config says so: (T, k) each
-        weights, ids = ops.moe_route(ops.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob)
-        if hasattr(self, "w_gate_up"):
-            return ops.fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+    def forward(self, h, ops):
+        weights, ids = ops.moe_route(ops.linear(h, self.gate.weight), self.top_k, self.norm_topk_prob)  # (T, k) each
+        if self.fused:
+            return ops.fused_moe(h, self.w_gate_up, self.w_down, weights, ids)
         # Unfused: one small matmul chain per expert that got tokens, and a host sync per expert to know
         # which did: the reason this path can never run inside a CUDA graph.
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(ids == e)
             if token.numel():
-                out.index_add_(0, token, expert(x[token], ops) * weights[token, slot, None])
+                out.index_add_(0, token, expert(h[token], ops) * weights[token, slot, None])
         return out
 
 
@@ -194,36 +205,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
         """Pre-norm: residual += x, normalise, attend; residual += that, normalise, MLP. residual is None
         before the first layer. Returns (this layer's output, the residual stream)."""
-        attn, mlp, eps = self.self_attn, self.mlp, self.eps
-        if ops.add_rmsnorm_linear:  # Part 2 (kernels 2.2): the add + norm made as the q/k/v matmul loads its row
-            qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps,
-                                                   attn.qkv_proj.weight, attn.qkv_proj.bias)
-        else:
-            h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-            if hasattr(attn, "qkv_proj"):
-                qkv = ops.linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
-            else:  # the unfused eager baseline: three matmuls
-                qkv = torch.cat([F.linear(h, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
-        x = attn(qkv, batch, k_cache, v_cache, cos_sin, ops)
-        if not hasattr(mlp, "gate_up_proj"):  # unfused, or a MoE: the router and the experts both read the normed x
-            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
-            return mlp(h, ops), residual
-        if ops.add_rmsnorm_linear:  # Part 2: ... and silu(gate) * up made as the gate/up matmul stores
-            h, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
-                                                 mlp.gate_up_proj.weight, gated=True)
-        else:
-            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
-            h = ops.silu_and_mul(ops.linear(h, mlp.gate_up_proj.weight))
-        return ops.linear(h, mlp.down_proj.weight), residual
+        h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm.weight, self.eps)
+        x = self.self_attn(self.self_attn.qkv(h, ops), batch, k_cache, v_cache, cos_sin, ops)
+        h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, self.eps)
+        return self.mlp(h, ops), residual
 
 
 class Model(nn.Module):
-    def __init__(self, cfg: "ModelConfig"):
+    def __init__(self, cfg: "ModelConfig", layer_type: type = DecoderLayer):
         super().__init__()
         self.config = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(layer_type(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ops = textbook_ops(triton=False)
@@ -293,48 +287,65 @@ def aligned_offsets(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
-        total += -(-n // align) * align
+        total += cdiv(n, align) * align
     return offsets, total
 
 
 class Staging:
-    """Host arrays -> device tensors in one copy per dtype. On CUDA the arrays are packed into pinned
-    buffers and copied without blocking; two buffers alternate so the host can fill one while the other's
-    copy may still be queued behind the step in flight (an event guards the reuse). On the CPU the
-    tensors are zero-copy views, kept while the same arrays come back (Part 2's steady rows do)."""
+    """Named host arrays -> device tensors of the same names, in one copy per dtype. On CUDA the arrays are
+    packed into pinned buffers and copied without blocking; two buffers alternate so the host can fill one
+    while the other's copy may still be queued behind the step in flight (an event guards the reuse). On the
+    CPU the tensors are zero-copy views, kept while the same arrays come back (Part 2's steady rows do).
+    bounds: each name the caller stages -> (dtype, the most values it holds), which sizes the buffers."""
 
-    def __init__(self, device: torch.device, sizes: dict):
+    def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]]):
         self.device, self.cuda, self.turn = device, device.type == "cuda", 0
-        self.buffers, self.events, self.last = [{}, {}], [None, None], ([], [])
+        self.buffers, self.events, self.last = [{}, {}], [None, None], ({}, SimpleNamespace())
+        sizes = {}
+        for dtype, n in bounds.values():
+            sizes[dtype] = sizes.get(dtype, 0) + n + STAGING_ALIGN_BYTES  # + each start's alignment padding
         if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
             for buffers in self.buffers:
                 for dtype, n in sizes.items():
-                    n += STAGING_ALIGN_BYTES * 16  # alignment padding: under 16 bytes for each of <= 16 arrays
                     buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
 
-    def to_device(self, *groups: list) -> list[list[torch.Tensor]]:
+    def to_device(self, arrays: dict[str, np.ndarray]) -> SimpleNamespace:
         if not self.cuda:
-            arrays = [a for g in groups for a in g]
-            if len(arrays) != len(self.last[0]) or any(a is not b for a, b in zip(arrays, self.last[0])):
-                self.last = arrays, [[torch.from_numpy(np.ascontiguousarray(a)) for a in g] for g in groups]
+            if arrays.keys() != self.last[0].keys() or any(a is not self.last[0][k] for k, a in arrays.items()):
+                self.last = arrays, SimpleNamespace(**{k: torch.from_numpy(np.ascontiguousarray(a))
+                                                       for k, a in arrays.items()})
             return self.last[1]
         self.turn ^= 1
         if self.events[self.turn] is not None:
             self.events[self.turn].synchronize()
-        result = [self._copy(g) for g in groups]
+        by_dtype = {}
+        for name, a in arrays.items():
+            by_dtype.setdefault(a.dtype, {})[name] = a
+        tensors = SimpleNamespace()
+        for dtype, group in by_dtype.items():
+            tensors.__dict__.update(self._copy(dtype, group))
         self.events[self.turn] = torch.cuda.current_stream().record_event()
-        return result
+        return tensors
 
-    def _copy(self, arrays: list) -> list[torch.Tensor]:
-        dtype = arrays[0].dtype
-        offsets, total = aligned_offsets([a.size for a in arrays], dtype.itemsize)
+    def _copy(self, dtype: np.dtype, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        offsets, total = aligned_offsets([a.size for a in arrays.values()], dtype.itemsize)
         buf = self.buffers[self.turn][dtype]
         assert buf.numel() >= total, f"{total} {dtype} values to stage, but the buffer holds {buf.numel()}"
         host = buf.numpy()
-        for a, o in zip(arrays, offsets):
+        for a, o in zip(arrays.values(), offsets):
             host[o:o + a.size] = a.ravel()
         dev = buf[:total].to(self.device, non_blocking=True)  # one copy; the allocator aligns its start
-        return [dev[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets)]
+        return {name: dev[o:o + a.size].view(a.shape) for (name, a), o in zip(arrays.items(), offsets)}
+
+
+def staged_bounds(tokens: int, requests: int, columns: int) -> dict[str, tuple[str, int]]:
+    """Every array InputBuilder.prepare stages, by name: its dtype and the most values a step can give it
+    (tokens and requests: a step's most; columns: the block table's)."""
+    T, S = tokens, requests
+    return dict(input_ids=("int64", T), positions=("int64", T), slot_mapping=("int64", T), seq_lens=("int64", S),
+                logits_indices=("int64", S), fill_at=("int64", S), fill_from=("int64", S), seeds=("int64", S),
+                counters=("int64", S), top_k=("int64", S), query_start_loc=("int32", S + 1),
+                block_table=("int32", S * columns), temperature=("float32", S), top_p=("float32", S))
 
 
 class InputBuilder:
@@ -356,16 +367,15 @@ class InputBuilder:
         self.top_p = np.zeros(rows, dtype=np.float32)
         self.seed = np.zeros(rows, dtype=np.int64)
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
-        T, S = cfg.max_num_batched_tokens, cfg.max_num_seqs  # the most tokens and requests in a step
-        sizes = {"int64": 6 * T + 5 * S, "int32": S + 1 + S * max_blocks_per_seq, "float32": 2 * S}
-        self.staging = Staging(torch.device(cfg.device), sizes)
+        bounds = staged_bounds(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_blocks_per_seq)
+        self.staging = Staging(torch.device(cfg.device), bounds)
         # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
-        self.prev_tokens, self.prev_sampling, self._prev_rows = None, (), None
+        self.prev_tokens, self.prev_sampling, self._prev_index = None, (), None
 
     # -- persistent rows --------------------------------------------------------------------------------
-    def rows(self, out) -> np.ndarray:
+    def rows(self, plan) -> np.ndarray:
         """Each request's row, its block-table row brought up to date (only new blocks are copied)."""
-        reqs, row_of = out.requests, self.row_of
+        reqs, row_of = plan.requests, self.row_of
         rows = [row_of.get(r) for r in reqs]
         if None in rows:  # new requests, or preempted ones back (their row was released with their blocks)
             rows = [self._new_row(r) if i is None else i for r, i in zip(reqs, rows)]
@@ -392,80 +402,86 @@ class InputBuilder:
             self.free_rows.append(row)
 
     # -- one step's tensors -----------------------------------------------------------------------------
-    def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
+    def prepare(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
-        reqs, rows, starts = out.requests, self.rows(out), out.starts
-        if out.is_decode:  # one token per request, each at position start: all vectorised
-            ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int64)
-            pos, seq_lens, slots = starts, starts + 1, self._slots(rows, starts)
-            qsl = np.arange(len(reqs) + 1, dtype=np.int32)
-            sampling, srows, logits_indices, max_query_len = reqs, rows, qsl[:-1].astype(np.int64), 1
-            counters = seq_lens  # the sampled token's index
-        else:
-            ids, pos, slots, qsl, seq_lens, sample_mask = self._prepare_mixed(out, rows)
-            sampling = tuple(r for r, s in zip(reqs, out.samples) if s)
-            srows, logits_indices = rows[sample_mask], (qsl[1:] - 1)[sample_mask].astype(np.int64)
-            max_query_len, counters = int((qsl[1:] - qsl[:-1]).max()), seq_lens[sample_mask]
-        # Inputs sampled by the step in flight (async): their indices travel in the same pinned copy as the
-        # rest; a pageable copy would wait for that step to finish.
-        fills = np.flatnonzero(ids == PLACEHOLDER)
-        same_rows = out.is_decode and len(fills) == len(reqs) and reqs == self.prev_sampling
-        if len(fills) and not same_rows:
-            owners = np.searchsorted(qsl, fills, side="right") - 1  # the request of each such token
-            src = np.array([self.prev_rows[reqs[b]] for b in owners.tolist()], dtype=np.int64)
-        else:
-            fills = src = np.zeros(0, dtype=np.int64)
-        temperature, max_seq_len = self.temperature[srows], int(seq_lens.max())
-        ints64, ints32, floats = self.staging.to_device(
-            [ids, pos, slots, logits_indices, self.seed[srows], counters, self.top_k[srows], fills, src, seq_lens],
-            [qsl, self._block_table(rows, max_seq_len)],
-            [temperature, self.top_p[srows]])
-        batch = Batch(input_ids=ints64[0], positions=ints64[1], slot_mapping=ints64[2], query_start_loc=ints32[0],
-                      seq_lens=ints64[9], block_table=ints32[1], logits_indices=ints64[3],
-                      max_query_len=max_query_len, max_seq_len=max_seq_len)
-        if same_rows:  # every input is the token the same row sampled last step
+        rows = self.rows(plan)
+        host, samples = self._decode(plan, rows) if plan.is_decode else self._mixed(plan, rows)
+        sampling, srows = tuple(r for r, s in zip(plan.requests, samples) if s), rows[samples]
+        max_seq_len = int(host["seq_lens"].max())
+        host["block_table"] = self._block_table(rows, max_seq_len)
+        host.update(seeds=self.seed[srows], counters=host["seq_lens"][samples], top_k=self.top_k[srows],
+                    temperature=self.temperature[srows], top_p=self.top_p[srows])  # counters: the token's index
+        # Every input is the token the same request sampled last step, in the same order: one copy, no gather.
+        same = plan.is_decode and plan.requests == self.prev_sampling and bool((host["input_ids"] == PLACEHOLDER).all())
+        host.update(self._placeholders(plan, host["input_ids"] if not same else NO_INDEX, host["query_start_loc"]))
+        t = self.staging.to_device(host)
+        qsl = host["query_start_loc"]
+        batch = Batch(input_ids=t.input_ids, positions=t.positions, slot_mapping=t.slot_mapping,
+                      query_start_loc=t.query_start_loc, seq_lens=t.seq_lens, block_table=t.block_table,
+                      logits_indices=t.logits_indices, max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+                      max_seq_len=max_seq_len)
+        if same:
             batch.input_ids.copy_(self.prev_tokens)
-        elif len(fills):
-            batch.input_ids[ints64[7]] = self.prev_tokens[ints64[8]]
-        sbatch = SamplingBatch(temperature=floats[0], top_k=ints64[6], top_p=floats[1], seeds=ints64[4],
-                               counters=ints64[5], all_greedy=not temperature.any(),
+        elif len(host["fill_at"]):
+            batch.input_ids[t.fill_at] = self.prev_tokens[t.fill_from]
+        sbatch = SamplingBatch(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, seeds=t.seeds,
+                               counters=t.counters, all_greedy=not host["temperature"].any(),
                                need_filter=bool(self.filtered[srows].any()))
         return batch, sbatch, sampling
 
-    def _prepare_mixed(self, out, rows):
+    def _decode(self, plan, rows) -> tuple[dict, np.ndarray]:
+        """One token per request, at position start, and every request samples: all vectorised."""
+        pos, n = plan.starts, len(plan.requests)
+        qsl = np.arange(n + 1, dtype=np.int32)
+        return dict(input_ids=np.array([r.token_ids[-1] for r in plan.requests], dtype=np.int64), positions=pos,
+                    slot_mapping=self._kv_slots(rows, pos), seq_lens=pos + 1, query_start_loc=qsl,
+                    logits_indices=qsl[:-1].astype(np.int64)), np.ones(n, dtype=bool)
+
+    def _mixed(self, plan, rows) -> tuple[dict, np.ndarray]:
         """Prompt chunks and decodes together: per-request ranges, so a loop (such steps are rare)."""
         ids, pos = [], []
-        for r, s, n in zip(out.requests, out.starts, out.num_tokens):
+        for r, s, n in zip(plan.requests, plan.starts, plan.num_tokens):
             ids += r.token_ids[s:s + n]
             pos.append(np.arange(s, s + n))
-        ns, pos = np.array(out.num_tokens, dtype=np.int64), np.concatenate(pos)
-        slots = self._slots(np.repeat(rows, ns), pos)  # each token's request row
+        ns, pos, samples = np.array(plan.num_tokens, dtype=np.int64), np.concatenate(pos), np.array(plan.samples)
         qsl = np.concatenate([[0], np.cumsum(ns)]).astype(np.int32)
-        return np.array(ids, dtype=np.int64), pos, slots, qsl, out.starts + ns, np.array(out.samples, dtype=bool)
+        return dict(input_ids=np.array(ids, dtype=np.int64), positions=pos,
+                    slot_mapping=self._kv_slots(np.repeat(rows, ns), pos), seq_lens=plan.starts + ns,
+                    query_start_loc=qsl, logits_indices=(qsl[1:] - 1)[samples].astype(np.int64)), samples
 
-    def _slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _placeholders(self, plan, ids: np.ndarray, qsl: np.ndarray) -> dict:
+        """Inputs the step in flight samples (async): their indices (fill_at) and their rows in its sampled
+        tokens (fill_from). They travel in the same pinned copy as the rest: a pageable copy would wait for
+        that step to finish."""
+        fill_at = np.flatnonzero(ids == PLACEHOLDER)
+        owners = np.searchsorted(qsl, fill_at, side="right") - 1  # the request of each such token
+        fill_from = np.array([self.prev_index[plan.requests[b]] for b in owners.tolist()], dtype=np.int64)
+        return dict(fill_at=fill_at, fill_from=fill_from)
+
+    def _kv_slots(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """(n,) int64 KV slots of the tokens at positions pos of the requests in rows."""
         return self.table[rows, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
 
     def _block_table(self, rows: np.ndarray, max_seq_len: int) -> np.ndarray:
         """These rows' block-table columns up to the longest request's (columns first: mixed indexing is slower)."""
-        return self.table[:, :-(-max_seq_len // self.block_size)][rows]
+        return self.table[:, :cdiv(max_seq_len, self.block_size)][rows]
 
-    def sampled(self, out, tokens: torch.Tensor, sampling: tuple):
-        self.prev_tokens, self.prev_sampling, self._prev_rows = tokens, sampling, None
+    def sampled(self, plan, tokens: torch.Tensor, sampling: tuple):
+        self.prev_tokens, self.prev_sampling, self._prev_index = tokens, sampling, None
 
     @property
-    def prev_rows(self) -> dict:
-        """Request -> its row in the previous step's token tensor (built only when a step needs it)."""
-        if self._prev_rows is None:
-            self._prev_rows = {r: i for i, r in enumerate(self.prev_sampling)}
-        return self._prev_rows
+    def prev_index(self) -> dict:
+        """Request -> its index in the previous step's sampled tokens (built only when a step needs it)."""
+        if self._prev_index is None:
+            self._prev_index = {r: i for i, r in enumerate(self.prev_sampling)}
+        return self._prev_index
 
 
 class ModelRunner:
     """Owns the KV cache and the graphs; runs a step's forward (graphed or eager) and its sampler."""
 
-    def __init__(self, model: Model, cfg: "EngineConfig", num_blocks: int, max_blocks: int, inputs: InputBuilder):
+    def __init__(self, model: Model, cfg: "EngineConfig", num_blocks: int, max_blocks: int, inputs: InputBuilder,
+                 graph_runner: type = GraphRunner):
         mc = model.config
         self.model, self.inputs, self.device = model, inputs, torch.device(cfg.device)
         # One extra block at the end: the scratch block. The block manager never hands it out; padding
@@ -475,7 +491,7 @@ class ModelRunner:
         self.stats = StepStats(cuda=self.device.type == "cuda")
         tokens = () if cfg.cudagraph_mode == "full_decode_only" else \
             (cfg.graph_token_buckets or default_token_buckets(cfg.max_num_batched_tokens))
-        self.graphs = None if cfg.enforce_eager else GraphRunner(
+        self.graphs = None if cfg.enforce_eager else graph_runner(
             model, self.kv_cache, max_blocks, cfg.max_num_seqs,
             cfg.graph_buckets or default_buckets(cfg.max_num_seqs), list(tokens), capture=self.device.type == "cuda")
 
@@ -483,17 +499,17 @@ class ModelRunner:
         """Drop every tensor this runner holds: KV cache, graphs and their pool, staging, tokens, model."""
         self.kv_cache = self.graphs = self.model = self.inputs = None
 
-    def execute(self, out) -> torch.Tensor:
+    def execute(self, plan) -> torch.Tensor:
         """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
-        batch, sbatch, sampling = self.inputs.prepare(out)
+        batch, sbatch, sampling = self.inputs.prepare(plan)
         t0, start = time.perf_counter(), self.stats.now()
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:  # eager: the forward's activations are freed on return
             logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
         tokens = sample(logits, sbatch, self.model.ops.race_sample)
-        self.stats.end(start, prompt=not out.is_decode)
+        self.stats.end(start, prompt=not plan.is_decode)
         self.stats.forward_s += time.perf_counter() - t0
-        self.inputs.sampled(out, tokens, sampling)
+        self.inputs.sampled(plan, tokens, sampling)
         return tokens
 
 
@@ -525,17 +541,15 @@ class Engine:
         mc = self.model.config
         self.max_model_len = max_model_len(cfg, mc)
         num_blocks = cfg.num_blocks or self._blocks_for_memory()
-        steady = "steady" in cfg.tuned  # Part 2: the steady-decode host path
-        blocks = BlockManager(num_blocks, cfg.block_size)
-        self.book = (SteadyBook if steady else RequestBook)(blocks, self.max_model_len, mc.eos_token_ids)
-        self.scheduler = (SteadyScheduler if steady else Scheduler)(self.book, cfg.max_num_seqs,
-                                                                   cfg.max_num_batched_tokens)
-        max_blocks = -(-self.max_model_len // cfg.block_size)
-        inputs = (SteadyInputBuilder if steady else InputBuilder)(cfg, mc.vocab_size, max_blocks)
+        parts = engine_parts(cfg)  # RequestBook, Scheduler, InputBuilder, GraphRunner (tuned: Part 2's)
+        self.book = parts.book(BlockManager(num_blocks, cfg.block_size), self.max_model_len, mc.eos_token_ids)
+        self.scheduler = parts.scheduler(self.book, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        max_blocks = cdiv(self.max_model_len, cfg.block_size)
+        inputs = parts.inputs(cfg, mc.vocab_size, max_blocks)
         # Finished, aborted or preempted requests give their rows back. The builder's bound method, not a
         # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
         self.book.on_release = inputs.release
-        self.runner = ModelRunner(self.model, cfg, num_blocks, max_blocks, inputs)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, max_blocks, inputs, parts.graphs)
         self.stats = self.runner.stats  # StepStats: where the steps' time goes (run.py reads it)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
@@ -569,34 +583,34 @@ class Engine:
         self._check_open()
         t0 = time.perf_counter()
         report = self._land() if self.inflight else []  # switching from async: land its step first
-        out = self.scheduler.schedule()
-        if out.requests:
-            tokens = self.runner.execute(out)
+        plan = self.scheduler.schedule()
+        if plan.requests:
+            tokens = self.runner.execute(plan)
             t1 = time.perf_counter()
             tokens = tokens.cpu().numpy()
             self.stats.wait_s += time.perf_counter() - t1
-            report += self.book.update(out, tokens)
-        return self._outputs(out, report, t0)
+            report += self.book.update(plan, tokens)
+        return self._outputs(plan, report, t0)
 
     def step_async(self) -> list[RequestOutput]:
         """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
         self._check_open()
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         launched = None
-        if out.requests:
-            tokens = self.runner.execute(out)
-            launched = (self.book.append_placeholders(out), *self._copy_to_host(tokens))
+        if plan.requests:
+            tokens = self.runner.execute(plan)
+            launched = (self.book.append_placeholders(plan), *self._copy_to_host(tokens))
         report = self._land() if self.inflight else []
         self.inflight = launched
-        return self._outputs(out, report, t0)
+        return self._outputs(plan, report, t0)
 
-    def _outputs(self, out, report: list[Request], t0: float) -> list[RequestOutput]:
+    def _outputs(self, plan, report: list[Request], t0: float) -> list[RequestOutput]:
         outputs = [self.output(r) for r in report + self.book.aborted]
         self.book.aborted = []
         st = self.stats
-        st.steps += bool(out.requests)
-        st.tokens += out.num_samples
+        st.steps += bool(plan.requests)
+        st.tokens += plan.num_samples
         st.total_s += time.perf_counter() - t0
         return outputs
 
@@ -720,7 +734,7 @@ class Engine:
                              dtype=self.model.lm_head.weight.dtype)
             batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.arange(T),
                           slot_mapping=torch.full((T,), -1), query_start_loc=torch.tensor([0, T], dtype=torch.int32),
-                          seq_lens=torch.tensor([T]), block_table=torch.zeros(1, -(-T // bs), dtype=torch.int32),
+                          seq_lens=torch.tensor([T]), block_table=torch.zeros(1, cdiv(T, bs), dtype=torch.int32),
                           logits_indices=torch.arange(min(T, cfg.max_num_seqs)), max_query_len=T, max_seq_len=T)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -1046,7 +1060,7 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the model's max_position_embeddings, capped at 8192
     fuse: bool = True                    # fused weights + the kernels (Triton on CUDA, torch references on the CPU)
     triton: bool | None = None           # None: Triton kernels on CUDA; True runs them on the CPU interpreter too
-    tuned: bool | str | tuple = True     # Part 2's variants: all (True), none (False), or some by name (TUNED)
+    tuned: bool | str | tuple = False    # Part 2's variants: none (the chapter), all (True), or some by name (TUNED)
     triton_linear_rows: int | None = None  # tuned linear: matmuls up to this many rows in Triton (None: by the model)
     triton_narrow_rows: int | None = None  # ... and narrow ones up to this many, if more (None: by the model)
     enforce_eager: bool | None = None    # None: CUDA graphs on CUDA (fused Triton model), eager on the CPU
@@ -1196,8 +1210,9 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     """The model on cfg.device in cfg.dtype, weights loaded or random, fused, ops chosen; and its folder or None."""
     hf, folder = read_model_config(cfg.model)
     mcfg = ModelConfig.from_hf(hf, where=f"model={cfg.model!r} config")
+    layer_type = TunedDecoderLayer if cfg.tuned & {"gemv", "decode_attention"} else DecoderLayer
     with torch.device("meta"):  # no memory and no init until the real device is known
-        model = Model(mcfg)
+        model = Model(mcfg, layer_type)
     model = model.to(getattr(torch, cfg.dtype)).to_empty(device=cfg.device)
     if mcfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -1208,10 +1223,21 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     model.cos_sin = rope_cos_sin(mcfg, max_model_len(cfg, mcfg), cfg.device)
     if cfg.fuse:
         model.fuse()
-        model.ops = tuned_ops(textbook_ops(cfg.triton), cfg, mcfg)
+        model.ops = textbook_ops(cfg.triton)
+        if cfg.tuned:  # Part 2 attaches here: its ops and (TunedDecoderLayer, above) its layers
+            model.ops = tuned_ops(model.ops, cfg, mcfg)
         model.graph_safe = cfg.triton  # every op a sync-free Triton launch
     # No autograd: the fused weights are new Parameters, and entering inference_mode each step costs host time.
     return model.eval().requires_grad_(False), folder
+
+
+def engine_parts(cfg: EngineConfig) -> SimpleNamespace:
+    """The classes an Engine is built from: the chapter's, or Part 2's subclasses where cfg.tuned names them."""
+    steady = "steady" in cfg.tuned
+    return SimpleNamespace(book=SteadyBook if steady else RequestBook,
+                           scheduler=SteadyScheduler if steady else Scheduler,
+                           inputs=SteadyInputBuilder if steady else InputBuilder,
+                           graphs=BoundedGraphRunner if "decode_attention" in cfg.tuned else GraphRunner)
 
 
 def max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
@@ -1254,14 +1280,14 @@ def tuned_variants(tuned) -> frozenset:
 
 
 def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> SimpleNamespace:
-    """Swap the variants named in cfg.tuned into the textbook ops. Without Triton (the CPU) each variant is
-    its reference, which computes what the textbook ops do, so the tuned forward's structure is tested."""
+    """Swap the variants named in cfg.tuned into the textbook ops, and add the ops TunedDecoderLayer calls.
+    Without Triton (the CPU) each variant is its reference, which computes what the textbook ops do, so the
+    tuned forward's structure is tested. Part 1's kernels keep plain launches: a PDL chain is Part 2's."""
     v, triton = cfg.tuned, cfg.triton
     pdl = triton and "pdl" in v and kernels.has_pdl(torch.device(cfg.device))
-    if pdl:  # the Part 1 launchers too: a non-PDL kernel in the chain would stop the overlap on both sides
-        for name in ("add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", "fused_moe"):
-            setattr(ops, name, partial(getattr(ops, name), pdl=True))
     pick = lambda name: partial(getattr(kernels, name), pdl=pdl) if triton else getattr(kernels, name + "_ref")  # noqa
+    ops.add_rmsnorm_linear = partial(add_rmsnorm_then_linear, ops)  # Part 1's kernels, one after the other
+    ops.decode_attention, ops.decode_context_bounds = None, no_context_bounds
     if "gemv" in v:
         # Triton streams a one-row matmul faster than cuBLAS on every model; up to 64 rows (256 on narrow
         # matrices, where cuBLAS splits K) only on small models (BENCHMARKS.md).
@@ -1286,6 +1312,68 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
     return ops
 
 
+def no_context_bounds(b: int, hkv: int) -> tuple:
+    """Context bounds of an attention whose tiles never depend on the contexts: none."""
+    return ()
+
+
+def add_rmsnorm_then_linear(ops, x, residual, norm_weight, eps, weight, bias=None, gated=False):
+    """add_rmsnorm_linear's contract in Part 1's ops, one after the other (the tuned path without gemv)."""
+    h, residual = ops.add_rmsnorm(x, residual, norm_weight, eps)
+    y = ops.linear(h, weight, bias)
+    return (ops.silu_and_mul(y) if gated else y), residual
+
+
+class TunedDecoderLayer(DecoderLayer):
+    """DecoderLayer on the tuned path (gemv, decode_attention): each add + RMSNorm is made as the matmul
+    after it loads its row (ops.add_rmsnorm_linear, kernels 2.2), silu(gate) * up as the gate/up matmul
+    stores, and a decode batch's RoPE, KV write and attention run in one launch (kernels 2.3)."""
+
+    def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
+        attn, mlp, eps = self.self_attn, self.mlp, self.eps
+        qkv, residual = ops.add_rmsnorm_linear(x, residual, self.input_layernorm.weight, eps, attn.qkv_proj.weight,
+                                               attn.qkv_proj.bias)
+        if ops.decode_attention and batch.max_query_len == 1 and qkv.shape[0] == batch.seq_lens.shape[0]:
+            q, k, v = attn.heads(qkv)
+            o = ops.decode_attention(q, k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, batch.seq_lens,
+                                     batch.block_table, cos_sin, attn.scale, *attn.norms(), attn.eps,
+                                     max_seq_len=batch.max_seq_len)
+            x = ops.linear(o.view(qkv.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+        else:
+            x = attn(qkv, batch, k_cache, v_cache, cos_sin, ops)
+        if isinstance(mlp, MoE):  # the router and the experts both read the normed x
+            h, residual = ops.add_rmsnorm(x, residual, self.post_attention_layernorm.weight, eps)
+            return mlp(h, ops), residual
+        h, residual = ops.add_rmsnorm_linear(x, residual, self.post_attention_layernorm.weight, eps,
+                                             mlp.gate_up_proj.weight, gated=True)
+        return ops.linear(h, mlp.down_proj.weight), residual
+
+
+class BoundedGraphRunner(GraphRunner):
+    """GraphRunner for decode_attention, whose tiles depend on how long the contexts are (it packs kv heads
+    while every context is short): each decode bucket has one graph per side of each such bound
+    (kernels.decode_context_bounds), and a step replays the one its longest context allows."""
+
+    def bounds(self, b: int) -> tuple:
+        """Bucket b's context bounds: the kernel's, then any context the block table holds."""
+        return (*self.model.ops.decode_context_bounds(b, self.kv_cache.shape[4]), self.max_seq_len)
+
+    def keys(self) -> list[tuple]:
+        keys = []
+        for key in super().keys():
+            keys += [(*key, bound) for bound in self.bounds(key[1])] if key[0] == "decode" else [key]
+        return keys
+
+    def key_for(self, batch: Batch) -> tuple | None:
+        key = super().key_for(batch)
+        if key is None or key[0] != "decode":
+            return key
+        return (*key, next(bound for bound in self.bounds(key[1]) if batch.max_seq_len <= bound))
+
+    def decode_batch(self, key: tuple) -> Batch:
+        return replace(super().decode_batch(key), max_seq_len=key[2])
+
+
 @dataclass(eq=False)
 class DecodeRows:
     """A decode batch kept from step to step while the running set is unchanged (scheduler.SteadyDecode):
@@ -1295,7 +1383,7 @@ class DecodeRows:
     step: int                      # the scheduler step the arrays hold
     rows: np.ndarray               # (n,) each request's persistent row
     ints64: np.ndarray             # (3, n): positions, slot_mapping, counters (= the sequence lengths)
-    rows64: tuple                  # ints64's rows as views: staged as they are (on the CPU Staging reuses them)
+    named: dict                    # ints64's rows as views, by name: staged as they are (the CPU reuses them)
     max_seq_len: int               # the counters' max, moved on with them
     block_table: np.ndarray        # (n, width) int32: the columns this step's longest request needs
     query_start_loc: torch.Tensor  # (n + 1,) int32 on the device: 0, 1, ..., n
@@ -1309,107 +1397,109 @@ class SteadyInputBuilder(InputBuilder):
     decode: DecodeRows | None = None  # the steady decode's rows, built on its first step (_prepare_formed)
     prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
 
-    def rows(self, out) -> np.ndarray:
+    def rows(self, plan) -> np.ndarray:
         """A standing SteadyDecode holds the blocks it handed out (`entered`) until it is dropped: they are
         appended here, in the order they were handed out."""
-        rows = super().rows(out)
-        if out.steady is not None:
-            for due, blocks in out.steady.entered:
+        rows = super().rows(plan)
+        if plan.steady is not None:
+            for due, blocks in plan.steady.entered:
                 r = rows[due]
                 self.table[r, self.row_nblocks[r]] = blocks
                 self.row_nblocks[r] += 1
         return rows
 
-    def sampled(self, out, tokens, sampling):
-        super().sampled(out, tokens, sampling)
-        self.prev_steady = out.steady
+    def sampled(self, plan, tokens, sampling):
+        super().sampled(plan, tokens, sampling)
+        self.prev_steady = plan.steady
 
-    def prepare(self, out) -> tuple[Batch, SamplingBatch, tuple]:
-        if out.steady is None:
-            return super().prepare(out)
-        if out.requests is self.prev_sampling:
-            return self._prepare_steady(out, None)
+    def prepare(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
+        if plan.steady is None:
+            return super().prepare(plan)
+        if plan.requests is self.prev_sampling:
+            return self._prepare_steady(plan, None)
         prev = self.prev_steady  # some requests of last step's steady decode may have left it since
-        if prev is not None and prev is not out.steady and self.prev_sampling is prev.requests:
-            kept = out.steady.kept_of(prev)  # last step's indices of the requests out decodes, or None
+        if prev is not None and prev is not plan.steady and self.prev_sampling is prev.requests:
+            kept = plan.steady.kept_of(prev)  # last step's indices of the requests plan decodes, or None
             if kept is not None:  # their tokens are only in last step's output
-                return self._prepare_steady(out, kept)
-        return self._prepare_formed(out)
+                return self._prepare_steady(plan, kept)
+        return self._prepare_formed(plan)
 
-    def _prepare_steady(self, out, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
+    def _prepare_steady(self, plan, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
         """A decode of last step's requests, or of those still running (last step's indices `kept`)."""
         d = self.decode
-        assert d is not None and d.steady is (out.steady if kept is None else self.prev_steady) and \
-            d.step == out.step - 1, f"step {out.step}: the decode rows do not follow last step's set"
+        assert d is not None and d.steady is (plan.steady if kept is None else self.prev_steady) and \
+            d.step == plan.step - 1, f"step {plan.step}: the decode rows do not follow last step's set"
         if kept is not None:
-            self._condense(d, out, kept)
-        self._advance(d, out)
-        (positions, slots, counters, *kept_t), (block_table,) = self.staging.to_device(
-            list(d.rows64) + ([] if kept is None else [kept]), [d.block_table])
-        input_ids = self.prev_tokens if kept is None else self.prev_tokens[kept_t[0]]
+            self._condense(d, plan, kept)
+        self._advance(d, plan)
+        t = self.staging.to_device(dict(d.named, block_table=d.block_table, **({} if kept is None else dict(kept=kept))))
+        input_ids = self.prev_tokens if kept is None else self.prev_tokens[t.kept]
         if kept is not None:  # the sampling settings of the rows that stay, gathered on the device
-            sp, k = d.sampling, kept_t[0]
-            d.sampling = SamplingBatch(temperature=sp.temperature[k], top_k=sp.top_k[k], top_p=sp.top_p[k],
-                                       seeds=sp.seeds[k], counters=None, all_greedy=not self.temperature[d.rows].any(),
+            sp = d.sampling
+            d.sampling = SamplingBatch(temperature=sp.temperature[t.kept], top_k=sp.top_k[t.kept],
+                                       top_p=sp.top_p[t.kept], seeds=sp.seeds[t.kept], counters=None,
+                                       all_greedy=not self.temperature[d.rows].any(),
                                        need_filter=bool(self.filtered[d.rows].any()))
-        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, out.requests
+        return self._rows_batch(d, input_ids, t), d.sampling, plan.requests
 
-    def _prepare_formed(self, out) -> tuple[Batch, SamplingBatch, tuple]:
+    def _prepare_formed(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
         """The first step of a steady decode: its rows are built now, so the next step only advances them.
         Its inputs are the requests' last tokens, or where one is in flight (async), last step's output."""
-        d = self.decode = self._decode_rows(out)
-        ids = np.array([r.token_ids[-1] for r in out.requests], dtype=np.int64)
-        fills = np.flatnonzero(ids == PLACEHOLDER)
-        src = np.array([self.prev_rows[out.requests[i]] for i in fills.tolist()], dtype=np.int64)
-        (input_ids, fills, src, positions, slots, counters), (block_table,) = self.staging.to_device(
-            [ids, fills, src, *d.rows64], [d.block_table])
-        if len(fills):
-            input_ids[fills] = self.prev_tokens[src]
-        return self._rows_batch(d, input_ids, positions, slots, counters, block_table), d.sampling, out.requests
+        d = self.decode = self._decode_rows(plan)
+        ids = np.array([r.token_ids[-1] for r in plan.requests], dtype=np.int64)
+        fills = self._placeholders(plan, ids, np.arange(len(ids) + 1))
+        t = self.staging.to_device(dict(d.named, input_ids=ids, block_table=d.block_table, **fills))
+        if len(fills["fill_at"]):
+            t.input_ids[t.fill_at] = self.prev_tokens[t.fill_from]
+        return self._rows_batch(d, t.input_ids, t), d.sampling, plan.requests
 
     @staticmethod
-    def _rows_batch(d: DecodeRows, input_ids, positions, slots, counters, block_table) -> Batch:
+    def _rows_batch(d: DecodeRows, input_ids, t: SimpleNamespace) -> Batch:
         """The Batch of a steady decode's rows; its counters (= the sequence lengths) are the sampler's too."""
-        d.sampling.counters = counters
-        return Batch(input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=d.query_start_loc,
-                     seq_lens=counters, block_table=block_table, logits_indices=d.logits_indices, max_query_len=1,
-                     max_seq_len=d.max_seq_len)
+        d.sampling.counters = t.counters
+        return Batch(input_ids=input_ids, positions=t.positions, slot_mapping=t.slot_mapping,
+                     query_start_loc=d.query_start_loc, seq_lens=t.counters, block_table=t.block_table,
+                     logits_indices=d.logits_indices, max_query_len=1, max_seq_len=d.max_seq_len)
 
-    def _decode_rows(self, out) -> DecodeRows:
-        """The decode batch of out's requests; what stays the same while they run together is staged now."""
-        pos, rows, n = out.starts, self.rows(out), len(out.requests)
+    def _decode_rows(self, plan) -> DecodeRows:
+        """The decode batch of plan's requests; what stays the same while they run together is staged now."""
+        pos, rows, n = plan.starts, self.rows(plan), len(plan.requests)
         temperature = self.temperature[rows]
-        (seeds, top_k, logits_indices), (qsl,), (temperature_t, top_p) = self.staging.to_device(
-            [self.seed[rows], self.top_k[rows], np.arange(n, dtype=np.int64)],
-            [np.arange(n + 1, dtype=np.int32)], [temperature, self.top_p[rows]])
-        sampling = SamplingBatch(temperature=temperature_t, top_k=top_k, top_p=top_p, seeds=seeds, counters=None,
+        t = self.staging.to_device(dict(seeds=self.seed[rows], top_k=self.top_k[rows], temperature=temperature,
+                                        top_p=self.top_p[rows], logits_indices=np.arange(n, dtype=np.int64),
+                                        query_start_loc=np.arange(n + 1, dtype=np.int32)))
+        sampling = SamplingBatch(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, seeds=t.seeds, counters=None,
                                  all_greedy=not temperature.any(), need_filter=bool(self.filtered[rows].any()))
-        ints64, max_seq_len = np.stack([pos, self._slots(rows, pos), pos + 1]), int(pos.max()) + 1
-        return DecodeRows(steady=out.steady, step=out.step, rows=rows, ints64=ints64, rows64=tuple(ints64),
+        ints64, max_seq_len = np.stack([pos, self._kv_slots(rows, pos), pos + 1]), int(pos.max()) + 1
+        return DecodeRows(steady=plan.steady, step=plan.step, rows=rows, ints64=ints64, named=self._named(ints64),
                           max_seq_len=max_seq_len, block_table=self._block_table(rows, max_seq_len),
-                          query_start_loc=qsl, logits_indices=logits_indices, sampling=sampling)
+                          query_start_loc=t.query_start_loc, logits_indices=t.logits_indices, sampling=sampling)
 
-    def _condense(self, d: DecodeRows, out, kept: np.ndarray):
+    @staticmethod
+    def _named(ints64: np.ndarray) -> dict:
+        return dict(zip(("positions", "slot_mapping", "counters"), ints64))
+
+    def _condense(self, d: DecodeRows, plan, kept: np.ndarray):
         """Some requests left since last step: keep the rows of those that stay, in order."""
-        # C order, as np.stack made it: each of its rows is then one array, staged as it is (rows64)
-        d.steady, d.rows, d.ints64 = out.steady, d.rows[kept], np.ascontiguousarray(d.ints64[:, kept])
-        d.rows64, d.max_seq_len = tuple(d.ints64), int(d.ints64[2].max())
+        # C order, as np.stack made it: each of its rows is then one array, staged as it is (named)
+        d.steady, d.rows, d.ints64 = plan.steady, d.rows[kept], np.ascontiguousarray(d.ints64[:, kept])
+        d.named, d.max_seq_len = self._named(d.ints64), int(d.ints64[2].max())
         d.block_table = self._block_table(d.rows, d.max_seq_len)
         d.query_start_loc, d.logits_indices = d.query_start_loc[:len(kept) + 1], d.logits_indices[:len(kept)]
 
-    def _advance(self, d: DecodeRows, out):
+    def _advance(self, d: DecodeRows, plan):
         """Every request one token on. Those whose new token starts a block (the plan's `entering`) take
         their slot from it, and the block table gains it."""
         d.ints64 += 1  # positions, slots and counters in one operation
         d.max_seq_len += 1
-        d.step = out.step
-        entering, blocks = out.entering
+        d.step = plan.step
+        entering, blocks = plan.entering
         if len(entering):
             rows, cols = d.rows[entering], d.ints64[0, entering] // self.block_size
             self.table[rows, cols] = blocks
             self.row_nblocks[rows] = cols + 1
             d.ints64[1, entering] = blocks * self.block_size
-            if -(-d.max_seq_len // self.block_size) == d.block_table.shape[1]:
+            if cdiv(d.max_seq_len, self.block_size) == d.block_table.shape[1]:
                 d.block_table[entering, cols] = blocks  # in place: on the CPU the array keeps its staged view
             else:  # the longest request has entered a new block: one more column
                 d.block_table = self._block_table(d.rows, d.max_seq_len)

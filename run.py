@@ -12,6 +12,7 @@ import argparse
 import collections
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -33,6 +34,7 @@ DEVICE_DEFAULTS = dict(num_requests=(256, 64), min_len=(100, 16), max_len=(1024,
                        requests=(200, 24), min_prompt=(256, 16), max_prompt=(1024, 64),
                        output_len=(128, 16), join_prompt_len=(1024, 256))  # online
 PROGRESS_S = 5.0  # seconds between progress lines of the long runs
+PROFILED_STEPS = 5  # decode steps a profile covers (overhead's kernel count, --trace)
 
 # The ladder: name -> engine settings, each adding one technique to the row above. Graphs need CUDA.
 CONFIGS = {
@@ -164,9 +166,16 @@ def cmd_overhead(a):
             rec["x_floor"] = round(r["wall"] / steps / header["floor_ms"] * 1e3, 2)
             # Wall time not covered by any step's device time: the GPU waiting for the host between steps.
             rec["idle_between_steps_pct"] = round(100 * max(0.0, 1 - r["gpu_s"] / r["wall"]), 1)
-            rec.update(launch_model(engine, prompts, header["floor_ms"], tau))
-        if r["rows_run"]:  # the graphs' padding: rows run for the rows the steps had
-            rec["padding_pct"] = round(100 * (1 - r["rows_real"] / r["rows_run"]), 1)
+        if cuda or a.trace:
+            prof = profile_steps(engine, prompts)
+            if cuda:
+                rec.update(launch_model(engine, prof, header["floor_ms"], tau))
+            if a.trace:  # one timeline a rung, for chrome://tracing or ui.perfetto.dev
+                os.makedirs(a.trace, exist_ok=True)
+                rec["trace"] = os.path.join(a.trace, f"{name}.json")
+                prof.export_chrome_trace(rec["trace"])
+        if r["tokens_run"]:  # the graphs' padding: tokens run for the tokens the steps had
+            rec["padding_pct"] = round(100 * (1 - r["tokens_real"] / r["tokens_run"]), 1)
         rec["same_tokens"] = r["outputs"] == reference
         if name != "eager":  # in bf16, fused kernels round differently from eager torch ops
             rec["same_as_fused"] = r["outputs"] == fused_reference
@@ -226,7 +235,7 @@ def run_engine(engine: Engine, prompts, params) -> dict:
     engine.stats.timing = True  # device time per decode step, for gpu_ms_per_step
     graphs = engine.runner.graphs
     if graphs is not None:
-        graphs.rows_run = graphs.rows_real = 0
+        graphs.tokens_run = graphs.tokens_real = 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
         done.update({o.request_id: o for o in step()})
@@ -234,7 +243,7 @@ def run_engine(engine: Engine, prompts, params) -> dict:
     st = engine.stats
     return dict(outputs=[done[i].token_ids for i in ids], wall=time.perf_counter() - t0, steps=st.steps,
                 host_s=st.host_s, gpu_s=st.gpu_seconds() if engine.cuda else 0.0, decode_tokens=st.tokens,
-                rows_run=graphs.rows_run if graphs else 0, rows_real=graphs.rows_real if graphs else 0)
+                tokens_run=graphs.tokens_run if graphs else 0, tokens_real=graphs.tokens_real if graphs else 0)
 
 
 def launch_costs() -> dict:
@@ -258,11 +267,10 @@ def launch_costs() -> dict:
                 replay=per_call(graph.replay))
 
 
-def launch_model(engine: Engine, prompts, floor_ms: float, tau: dict, steps: int = 5) -> dict:
-    """The launch model beside the measured step: eager ~ T_compute + N tau (each of the step's N kernels
-    launched from Python), graphed ~ T_compute + tau (one replay), with T_compute the floor. N is counted
-    with the profiler over `steps` decode steps of the prompts' requests, after 3 untraced ones (prefill among
-    them); with 12 tokens to spare, every traced step decodes all of them."""
+def profile_steps(engine: Engine, prompts, steps: int = PROFILED_STEPS):
+    """torch.profiler (host, and the GPU's kernels on CUDA) over `steps` decode steps of the prompts'
+    requests, after 3 untraced ones (prefill among them); with 12 tokens to spare, every traced step decodes
+    all of them."""
     params = SamplingParams(temperature=0, max_tokens=3 + steps + 12, ignore_eos=True, output_kind="final_only")
     for p in prompts:
         engine.add_request(p, params)
@@ -270,14 +278,21 @@ def launch_model(engine: Engine, prompts, floor_ms: float, tau: dict, steps: int
     for _ in range(3):
         step()
     sync_device(engine.cfg.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * engine.cuda) as prof:
         for _ in range(steps):
             step()
         sync_device(engine.cfg.device)
     while engine.has_unfinished():
         step()
+    return prof
+
+
+def launch_model(engine: Engine, prof, floor_ms: float, tau: dict) -> dict:
+    """The launch model beside the measured step: eager ~ T_compute + N tau (each of the step's N kernels
+    launched from Python), graphed ~ T_compute + tau (one replay), with T_compute the floor. N: the kernels
+    in the profiled steps (profile_steps), per step."""
     n = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-            for e in prof.events()) / steps
+            for e in prof.events()) / PROFILED_STEPS
     graphed = engine.runner.graphs is not None
     tau_us = tau["replay"] if graphed else tau["torch" if not engine.cfg.fuse else "triton"]
     return dict(kernels_per_step=round(n, 1), launch_tau_us=round(tau_us, 2),
@@ -303,7 +318,7 @@ def cmd_online(a):
     note("online: warm-up, 8 requests like the load's ...")
     drive(engine, [(0.0, p) for _, p in load[:8]], a.output_len)
     note(f"online: {a.requests} requests, {'all at once' if a.burst else f'{a.rate} a second'} ...")
-    compiles = CompileCounter()
+    compiles = CompileCounter(engine.cuda)
     engine.stats.reset()
     engine.stats.timing = True
     r = drive(engine, load, a.output_len)
@@ -376,9 +391,9 @@ class CompileCounter:
     """Triton kernels compiled (or loaded from disk) while it runs: a kernel's first launch with new
     specialisations stalls the GPU for up to a second, which a load must never meet."""
 
-    def __init__(self):
+    def __init__(self, cuda: bool):
         self.count, self.prev = None, triton.knobs.runtime.jit_post_compile_hook
-        if torch.cuda.is_available():  # the interpreter compiles nothing: the count stays None
+        if cuda:  # an engine on the CPU runs torch (or the interpreter), which compiles nothing: None
             self.count = 0
             triton.knobs.runtime.jit_post_compile_hook = self.hook
 
@@ -462,7 +477,8 @@ def cmd_bench(a):
                  f"{len(engine.book.requests)} requests left")
     sync_device(a.device)
     wall = time.perf_counter() - t0
-    emit(dict(model=a.model, requests=a.num_requests, output_tokens=out_tokens, prompt_tokens=prompt_tokens,
+    emit(dict(model=a.model, tuned=",".join(sorted(engine.cfg.tuned)), requests=a.num_requests,
+              output_tokens=out_tokens, prompt_tokens=prompt_tokens,
               wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
               total_tok_s=round((out_tokens + prompt_tokens) / wall, 1), steps=engine.stats.steps,
               host_ms_per_step=round(1e3 * engine.stats.host_s / max(engine.stats.steps, 1), 3),
@@ -512,10 +528,11 @@ def make_parser() -> Parser:
                         help="cuda or cpu (default: cuda if available)")
     common.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on the CPU)")
     common.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
-    common.add_argument("--tuned", nargs="?", const=True, default=True, metavar="VARIANTS",
+    common.add_argument("--tuned", nargs="?", const=True, metavar="VARIANTS",
                         help=f"Part 2's variants: all with no value; or some, comma-separated, of {', '.join(TUNED)}; "
-                             "or '-a,-b' for all but those (default: all; overhead: its `tuned` row)")
-    common.add_argument("--no-tuned", dest="tuned", action="store_false", help="the textbook path only (default: off)")
+                             "or '-a,-b' for all but those (default: all for the speed commands, bench, online and "
+                             "overhead's `tuned` row; none for generate)")
+    common.add_argument("--no-tuned", dest="tuned", action="store_false", help="the chapter's path only (default: off)")
     rows = Parser(add_help=False)
     rows.add_argument("--triton-linear-rows", type=int, help="tuned: matmuls of up to N rows (0-256) in Triton, not "
                       "cuBLAS (default: by the model on CUDA, 0 on the CPU)")
@@ -553,6 +570,8 @@ def make_parser() -> Parser:
     o.add_argument("--new-tokens", type=positive, default=64, help="output tokens a request (default: %(default)s)")
     o.add_argument("--num-blocks", type=positive, help="KV cache blocks of 16 tokens (default: 512 MiB of cache on the "
                    "CPU, gpu_memory_utilization=0.9 of the GPU on CUDA)")
+    o.add_argument("--trace", metavar="DIR", help="write a Chrome/Perfetto trace of 5 decode steps per rung to "
+                   "DIR/<config>.json (default: none)")
     b = command("bench", "offline throughput, nano-vllm's protocol (2-core CPU: ~1-2 min)", rows, floors, eager, load)
     b.add_argument("--num-requests", type=positive, help=by_device("num_requests", "requests"))
     b.add_argument("--min-len", type=positive, help=by_device("min_len", "fewest tokens in a prompt, and to generate"))
@@ -576,8 +595,15 @@ def make_parser() -> Parser:
     return p
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     a = make_parser().parse_args(argv)
+    if a.tuned is None:  # the commands whose job is speed turn Part 2 on; generate runs the chapter
+        a.tuned = a.cmd != "generate"
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     try:
         {"generate": cmd_generate, "overhead": cmd_overhead, "bench": cmd_bench, "online": cmd_online}[a.cmd](a)
     except (ValueError, TypeError, OSError) as e:  # bad input (or a path it names): one line, no traceback

@@ -31,6 +31,11 @@ SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
+def cdiv(a, b):
+    """ceil(a / b) for positive integers, or numpy arrays of them."""
+    return -(-a // b)
+
+
 @dataclass
 class SamplingParams:
     """How one request samples, as vLLM's SamplingParams (these fields only), checked when made (check_type, require).
@@ -167,7 +172,7 @@ class BlockManager:
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Give req room for num_tokens more tokens; False (and nothing taken) if there is not enough."""
-        total = -(-(req.num_computed_tokens + num_tokens) // self.block_size)  # blocks for all its tokens
+        total = cdiv(req.num_computed_tokens + num_tokens, self.block_size)  # blocks for all its tokens
         need = max(0, total - len(req.block_ids))
         if need > self.num_free_blocks:
             return False
@@ -233,8 +238,6 @@ class SchedulerOutput:
     samples: list[bool]            # does this request's chunk reach its end (so it samples a token)?
     num_decode: int = 0            # the first num_decode entries are decodes (one token, sampling)
     step: int = 0                  # Scheduler.step_id of this plan
-    steady: SteadyDecode | None = None  # Part 2: set when the plan decodes an unchanged running set
-    entering: tuple[np.ndarray, np.ndarray] | None = None  # Part 2: (requests whose token starts a block, the blocks)
 
     @property
     def is_decode(self) -> bool:
@@ -290,26 +293,26 @@ class RequestBook:
         return bool(self.requests)
 
     @staticmethod
-    def sampling_requests(out: SchedulerOutput) -> tuple[Request, ...]:
-        return out.requests if out.is_decode else tuple(r for r, s in zip(out.requests, out.samples) if s)
+    def sampling_requests(plan: SchedulerOutput) -> tuple[Request, ...]:
+        return plan.requests if plan.is_decode else tuple(r for r, s in zip(plan.requests, plan.samples) if s)
 
-    def update(self, out: SchedulerOutput, tokens) -> list[Request]:
+    def update(self, plan: SchedulerOutput, tokens) -> list[Request]:
         """Sync: a launch whose tokens land at once."""
-        return self.fill(self.append_placeholders(out), tokens)
+        return self.fill(self.append_placeholders(plan), tokens)
 
-    def append_placeholders(self, out: SchedulerOutput) -> tuple:
-        """A launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns the
-        slots for fill(): the requests and their placeholders' indices."""
-        reqs = self.sampling_requests(out)
+    def append_placeholders(self, plan: SchedulerOutput) -> tuple:
+        """A launch: each sampling request gets a PLACEHOLDER where its new token will go. Returns where the
+        step's tokens will land, for fill(): the requests and their placeholders' indices."""
+        reqs = self.sampling_requests(plan)
         index = [len(r.token_ids) for r in reqs]
         for req in reqs:
             req.token_ids.append(PLACEHOLDER)
-        return reqs, index, None
+        return reqs, index
 
-    def fill(self, slots: tuple, tokens) -> list[Request]:
+    def fill(self, landing: tuple, tokens) -> list[Request]:
         """A step's tokens have landed: each goes to its PLACEHOLDER, and finishes its request if it ends it (a stop
         id, or the last allowed index). Returns the requests to report."""
-        reqs, index, _ = slots
+        reqs, index = landing
         now, ended, report = time.perf_counter(), [], []
         for req, i, token in zip(reqs, index, np.asarray(tokens).tolist()):
             if req.status == FINISHED or i >= len(req.token_ids):
@@ -377,49 +380,52 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.step_id, self.num_preemptions = 0, 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (a statistic)
+        self.preempted = False  # this step preempted someone: it admits no one (_admit says why)
 
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
         return self._plan()
 
     def _plan(self) -> SchedulerOutput:
-        self._preempted = False
-        out = SchedulerOutput([], [], [], [])
-        budget = self._decode_pass(out)
+        self.preempted = False
+        plan = SchedulerOutput([], [], [], [])
+        budget = self._decode_pass(plan)
         for req in [r for r in self.book.running if len(r.token_ids) - r.num_computed_tokens > 1]:
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)  # prompts still being chunked
+            # RUNNING again: a _grow before it in this step may have preempted it, and the list is a copy
             if req.status == RUNNING and n > 0 and self._grow(req, n):
-                self._add_to_step(out, req, n)
+                self._add_to_step(plan, req, n)
                 budget -= n
-        self._admit(out, budget)
-        out.requests, out.starts, out.step = tuple(out.requests), np.array(out.starts, dtype=np.int64), self.step_id
-        return out
+        self._admit(plan, budget)
+        plan.requests, plan.starts, plan.step = tuple(plan.requests), np.array(plan.starts, dtype=np.int64), self.step_id
+        return plan
 
-    def _decode_pass(self, out: SchedulerOutput) -> int:
+    def _decode_pass(self, plan: SchedulerOutput) -> int:
         """Running requests with one token to compute, preempting if blocks run out. Returns the token budget left."""
         budget, bs = self.max_num_batched_tokens, self.blocks.block_size
         for req in list(self.book.running):  # a copy: preemption removes from running
             nc = req.num_computed_tokens
-            if len(req.token_ids) - nc != 1 or (self._preempted and req.status != RUNNING):
+            if len(req.token_ids) - nc != 1 or (self.preempted and req.status != RUNNING):
                 continue  # a prompt chunk, or preempted earlier in this loop
             if budget == 0:
                 break
             if len(req.token_ids) >= req.max_len and req.pending:
                 continue  # its last allowed token is still in flight: it must not compute another
-            if nc == len(req.block_ids) * bs and not self._grow(req, 1):
+            new_block = nc == len(req.block_ids) * bs  # its blocks are full: this token starts one
+            if new_block and not self._grow(req, 1):
                 continue  # it was preempted itself
-            out.requests.append(req)
-            out.starts.append(nc)
+            plan.requests.append(req)
+            plan.starts.append(nc)
             req.num_computed_tokens, req.last_step = nc + 1, self.step_id
             budget -= 1
-        out.num_decode = len(out.requests)
-        out.num_tokens, out.samples = [1] * out.num_decode, [True] * out.num_decode
+        plan.num_decode = len(plan.requests)
+        plan.num_tokens, plan.samples = [1] * plan.num_decode, [True] * plan.num_decode
         return budget
 
-    def _admit(self, out: SchedulerOutput, budget: int):
+    def _admit(self, plan: SchedulerOutput, budget: int):
         """New requests only when nothing had to be preempted: otherwise they would take the room back."""
         book = self.book
-        while book.waiting and budget > 0 and len(book.running) < self.max_num_seqs and not self._preempted:
+        while book.waiting and budget > 0 and len(book.running) < self.max_num_seqs and not self.preempted:
             req = book.waiting[0]
             if req.pending:  # preempted with a token in flight: wait for it to land
                 break
@@ -433,7 +439,7 @@ class Scheduler:
             book.waiting.popleft()
             req.status = RUNNING
             book.running.append(req)
-            self._add_to_step(out, req, n)
+            self._add_to_step(plan, req, n)
             budget -= n
 
     def _grow(self, req: Request, n: int) -> bool:
@@ -448,16 +454,16 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request):
-        self._preempted = True
+        self.preempted = True
         self.num_preemptions += 1
         self.book.preempt(req)
 
-    def _add_to_step(self, out: SchedulerOutput, req: Request, n: int):
+    def _add_to_step(self, plan: SchedulerOutput, req: Request, n: int):
         start = req.num_computed_tokens
-        out.requests.append(req)
-        out.starts.append(start)
-        out.num_tokens.append(n)
-        out.samples.append(start + n == len(req.token_ids))
+        plan.requests.append(req)
+        plan.starts.append(start)
+        plan.num_tokens.append(n)
+        plan.samples.append(start + n == len(req.token_ids))
         req.num_computed_tokens, req.last_step = start + n, self.step_id
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.perf_counter()
@@ -507,6 +513,13 @@ def others(n: int, index: np.ndarray) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
+@dataclass
+class SteadyOutput(SchedulerOutput):
+    """A plan of SteadyScheduler's: when it decodes an unchanged running set, that set, and who enters a block."""
+    steady: SteadyDecode | None = None  # set when the plan decodes an unchanged running set
+    entering: tuple[np.ndarray, np.ndarray] | None = None  # (requests whose token starts a block, the blocks)
+
+
 @dataclass(eq=False)
 class SteadyDecode:
     """The running set as numpy arrays, for the steps that only move every request on by one token.
@@ -539,18 +552,18 @@ class SteadyDecode:
     awaiting: bool = True    # planned, and no row yet for its tokens (append_placeholders)
 
     @classmethod
-    def of(cls, out: SchedulerOutput, block_size: int) -> SteadyDecode:
+    def of(cls, plan: SchedulerOutput, block_size: int) -> SteadyDecode:
         """From a plan that decodes the whole running set (already applied to the requests)."""
-        reqs, computed = out.requests, out.starts + 1
+        reqs, computed = plan.requests, plan.starts + 1
         last = np.array([r.max_len - 1 for r in reqs], dtype=np.int64)
         # The first count at which each needs more than +1: its next token starts a block (it may need one), or
         # is its last allowed (async: it must not compute another while that one is in flight).
-        attend_at = np.minimum(-(-computed // block_size) * block_size, last)
+        attend_at = np.minimum(cdiv(computed, block_size) * block_size, last)
         countdown = int((last - computed).min())
         # It stands for at most countdown + 1 steps (then someone computes its last token); + 1 to spare.
         tokens = np.empty((min(countdown + 2, STEADY_MAX_STEPS), len(reqs)), dtype=np.int64)
         return cls(reqs, computed, last, attend_at, frozenset().union(*(r.stop_ids for r in reqs)), countdown,
-                   tokens, out.num_tokens, out.samples, quiet=int((attend_at - computed).min()))
+                   tokens, plan.num_tokens, plan.samples, quiet=int((attend_at - computed).min()))
 
     def land(self, row: int, tokens):
         """A step's tokens arrive; rows land in order (one step is in flight at most)."""
@@ -610,28 +623,28 @@ class SteadyBook(RequestBook):
         if s is not None:
             s.hand_back()
 
-    def append_placeholders(self, out: SchedulerOutput) -> tuple:
-        s = out.steady
+    def append_placeholders(self, plan: SchedulerOutput) -> tuple:
+        """A steady plan's tokens land on a row of its set: (requests, indices, (set, row, countdown))."""
+        s = plan.steady
         if s is None or s is not self.steady:
-            return super().append_placeholders(out)
+            return super().append_placeholders(plan)
         row, s.num_steps, s.awaiting = s.num_steps, s.num_steps + 1, False  # a row for its tokens, which `land` fills
         return s.requests, s.computed, (s, row, s.countdown)
 
-    def fill(self, slots: tuple, tokens) -> list[Request]:
-        reqs, index, held = slots
+    def fill(self, landing: tuple, tokens) -> list[Request]:
         tokens = np.asarray(tokens)
-        if held is None:
-            return super().fill(slots, tokens)
-        s, row, countdown = held
+        if len(landing) == 2:  # the general path's
+            return super().fill(landing, tokens)
+        reqs, index, (s, row, countdown) = landing
         if s is self.steady:  # no one left the set since the launch
             s.land(row, tokens)
             return self._steady_ended(s, index, countdown, tokens)
         kept = None if self.steady is None else self.steady.kept_of(s)
         if kept is None:  # the set was dropped since the launch: the tokens go to their PLACEHOLDERs
-            return super().fill((reqs, index.tolist(), None), tokens)
+            return super().fill((reqs, index.tolist()), tokens)
         self.steady.land(row, tokens[kept])  # some left since the launch: theirs go to their lists
         gone = others(len(reqs), kept)
-        report = super().fill(([reqs[i] for i in gone.tolist()], index[gone].tolist(), None), tokens[gone])
+        report = super().fill(([reqs[i] for i in gone.tolist()], index[gone].tolist()), tokens[gone])
         return report + self._steady_ended(self.steady, index[kept], countdown, tokens[kept])
 
     def _steady_ended(self, s: SteadyDecode, index: np.ndarray, countdown: int, tokens: np.ndarray) -> list:
@@ -671,13 +684,13 @@ class SteadyScheduler(Scheduler):
 
     def _general_plan(self) -> SchedulerOutput:
         self.book.drop_steady()
-        out = super()._plan()
+        plan = SteadyOutput(**vars(super()._plan()))
         # Only requests that want just their final output (LLM.generate's): streamed ones need their tokens
         # in token_ids every step, which is what the arrays avoid.
-        if out.requests and out.is_decode and len(out.requests) == len(self.book.running) and all(
-                r.params.output_kind == "final_only" and r.first_token_time is not None for r in out.requests):
-            out.steady = self.book.steady = SteadyDecode.of(out, self.blocks.block_size)
-        return out
+        if plan.requests and plan.is_decode and len(plan.requests) == len(self.book.running) and all(
+                r.params.output_kind == "final_only" and r.first_token_time is not None for r in plan.requests):
+            plan.steady = self.book.steady = SteadyDecode.of(plan, self.blocks.block_size)
+        return plan
 
     def _steady_step(self) -> SchedulerOutput | None:
         """The plan when the running set is unchanged and each request has one token to compute; None where
@@ -700,8 +713,8 @@ class SteadyScheduler(Scheduler):
             s.quiet = int((s.attend_at - starts).min())
         s.computed, s.awaiting = starts + 1, True
         s.countdown, s.quiet = s.countdown - 1, s.quiet - 1
-        return SchedulerOutput(s.requests, starts, s.num_tokens, s.samples, num_decode=len(s.requests),
-                               step=self.step_id, steady=s, entering=entering)
+        return SteadyOutput(s.requests, starts, s.num_tokens, s.samples, num_decode=len(s.requests),
+                            step=self.step_id, steady=s, entering=entering)
 
     def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
         """The requests due for more than +1: each gets the block its token starts (short of its last

@@ -136,6 +136,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import inspect
 import io
 import itertools
@@ -768,33 +769,37 @@ def _needs(section: str) -> list[str]:
     return re.findall(r"1\.\d+", needs.group(1)) if needs else []
 
 
-def _run_alone(number: str) -> dict:
-    """Section `number` of Part 1 run as someone who copied it would: in a fresh namespace that holds only
-    torch, triton and triton.language as tl, after the Part 1 header and the sections its title says it
-    needs. A name from anywhere else in kernels.py (a Part 2 constant, another section's helper) is then a
-    NameError."""
+def _run_alone(number: str, folder) -> dict:
+    """Section `number` of Part 1 as someone who copied it would have it: a file of its own in `folder` holding
+    only the imports of torch, triton and triton.language as tl, the Part 1 header, the sections its title
+    says it needs and the section, imported as a module. A name from anywhere else in kernels.py (a Part 2
+    constant, another section's helper) is then a NameError. A file, not a string: Triton's compiler reads a
+    kernel's source from the file that defines it."""
     header, sections = _part1()
-    source = header + "".join(sections[n] for n in _needs(sections[number])) + sections[number]
-    filename = f"<kernels.py Part 1, section {number}, copied>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)  # for triton.jit
-    ns = {"torch": torch, "triton": triton, "tl": tl, "__name__": f"copied_{number.replace('.', '_')}"}
-    exec(compile(source, filename, "exec"), ns)
-    return ns
+    source = ("import torch\nimport triton\nimport triton.language as tl\n" + header
+              + "".join(sections[n] for n in _needs(sections[number])) + sections[number])
+    name = f"copied_{number.replace('.', '_')}"
+    path = os.path.join(folder, name + ".py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return vars(module)
 
 
 @pytest.mark.parametrize("number,with_norm", [
-    ("1.1", False), ("1.2", False), ("1.3", False), ("1.3", True), ("1.4", False), ("1.5", False), ("1.6", False)])
-def test_kernel_part1_sections_run_alone(number, with_norm):
-    """Copy-paste proven, not promised: each Part 1 section (kernel, launcher, reference), run in a fresh
-    namespace (_run_alone), computes what its own reference does, on a small float32 input."""
+    ("1.1", False), ("1.2", False), ("1.3", False), ("1.3", True), ("1.4", False), ("1.5", False), ("1.6", False),
+    ("1.7", False)])
+def test_kernel_part1_sections_run_alone(tmp_path, number, with_norm):
+    """Copy-paste proven, not promised: each Part 1 section (kernel, launcher, reference), copied into a file
+    of its own (_run_alone), computes what its own reference does, on a small float32 input."""
     header, sections = _part1()
-    assert list(sections) == ["1.1", "1.2", "1.3", "1.4", "1.5", "1.6"]
+    assert list(sections) == ["1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7"]
     assert _needs(sections["1.6"]) == ["1.2", "1.5"], "fused_moe calls silu_and_mul and moe_align, and says so"
     assert _needs(sections["1.3"]) == ["1.1"], "rope_write_kv_ref's per-head norm is 1.1's rmsnorm_ref, and says so"
-    header_ns = {"torch": torch, "triton": triton, "tl": tl}
-    exec(compile(header, "<kernels.py Part 1 header>", "exec"), header_ns)
-    assert set(header_ns) - {"torch", "triton", "tl", "__builtins__"} == {"_wait_for_inputs", "_launch_options"}
-    ns = _run_alone(number)
+    assert all(line.startswith("#") or not line.strip() for line in header.splitlines()), "the header is prose"
+    ns = _run_alone(number, tmp_path)
     if number == "1.1":  # residual += x, then RMSNorm; and the first layer's, with no residual
         x, res, w = _randn(5, 48, seed=1), _randn(5, 48, seed=2), _randn(48, seed=3)
         out, new_res = ns["add_rmsnorm"](x, res.clone(), w, 1e-6)
@@ -826,11 +831,18 @@ def test_kernel_part1_sections_run_alone(number, with_norm):
         got, want = ns["moe_align"](ids, 6, 4), ns["moe_align_ref"](ids, 6, 4)
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         assert torch.equal(_moe_canonical(got[0], got[1], 4), _moe_canonical(want[0], want[1], 4))
-    else:
+    elif number == "1.6":
         x, weights_ids = _randn(5, 32, seed=11), _routing(5, 2, 4, seed=12)
         gate_up, down = _randn(4, 48, 32, seed=13) / 32**0.5, _randn(4, 32, 24, seed=14) / 24**0.5
         torch.testing.assert_close(ns["fused_moe"](x, gate_up, down, *weights_ids),
                                    ns["fused_moe_ref"](x, gate_up, down, *weights_ids), **MOE_TOL)
+    else:  # torch only: the engine's race, and the plain form on logits that leave it one choice
+        logits, temperature = _randn(3, 50, seed=15), torch.tensor([0.0, 0.7, 1.3], device=DEVICE)
+        seeds, counters = torch.tensor([1, -5, 2**40], device=DEVICE), torch.tensor([3, 0, 9], device=DEVICE)
+        assert torch.equal(ns["race_sample_ref"](logits, temperature, seeds, counters),
+                           kernels.race_sample_ref(logits, temperature, seeds, counters))
+        peaked = torch.full((2, 50), -1e4, device=DEVICE).index_fill_(1, torch.tensor([7], device=DEVICE), 0.0)
+        assert ns["race_sample_plain"](peaked, 1.0).tolist() == [7, 7]
 
 
 # -- 1.1 add_rmsnorm ----------------------------------------------------------------------------------
@@ -1016,11 +1028,11 @@ def test_kernel_paged_attention_grid_depends_on_sizes_only(monkeypatch):
     assert a.grid == b.grid == (9 // a.BLOCK_Q + 3, 2) and a.BLOCK_Q == b.BLOCK_Q
 
 
-def test_kernel_paged_attention_ref_in_small_chunks():
-    """The reference cut into chunks of 3 queries, one chunk at a time, against the kernel: chunk edges
-    inside prompts, decode rows, a padding row (seq_len 0) and a request with no new token."""
-    _check_attention([5, 3, 1, 0, 1, 7], [5, 70, 19, 4, 0, 130], h=4, hkv=2, d=32, page=4, max_blocks=34, seed=30,
-                     chunk=3, max_elements=1)
+def test_kernel_paged_attention_ref_in_small_chunks(monkeypatch):
+    """The reference's queries 3 at a time, against the kernel: chunk edges inside prompts, decode rows, a
+    padding row (seq_len 0) and a request with no new token."""
+    monkeypatch.setattr(kernels, "ATTN_REF_CHUNK", 3)
+    _check_attention([5, 3, 1, 0, 1, 7], [5, 70, 19, 4, 0, 130], h=4, hkv=2, d=32, page=4, max_blocks=34, seed=30)
 
 
 def test_kernel_paged_attention_never_reads_what_it_did_not_write(monkeypatch):
@@ -1049,15 +1061,14 @@ class LargestTensor(TorchDispatchMode):
 
 def test_attention_ref_memory_does_not_grow_with_the_square_of_a_long_prompt():
     """A 4,096-token prompt: its whole score matrix is 4 heads x 4,096 x 4,096 = 67M elements, which
-    `run.py bench` on the CPU (16,384 tokens a step) once built at tens of GB. The reference's tensors stay
-    within its max_elements (16M by default), and its rows are still right on either side of a chunk's edge."""
+    `run.py bench` on the CPU (16,384 tokens a step) would build at tens of GB. The reference's scores stay
+    ATTN_REF_CHUNK queries x the context, and its rows are still right on either side of a chunk's edge."""
     n, h, hkv, d = 4096, 4, 2, 16
     q, tensors = _attention_case([n], [n], h, hkv, d, page=16, max_blocks=n // 16, seed=31)
     gauge = LargestTensor()
     with gauge:
         out = kernels.paged_attention_ref(q, *tensors, d**-0.5, n)
-    max_elements = inspect.signature(kernels.paged_attention_ref).parameters["max_elements"].default
-    assert gauge.largest <= max_elements < h * n * n, gauge.largest
+    assert gauge.largest <= h * kernels.ATTN_REF_CHUNK * n < h * n * n, gauge.largest
     k_cache, v_cache, _, _, block_table = tensors
     k, v = (c[block_table[0].long()].reshape(n, hkv, d).repeat_interleave(h // hkv, dim=1)  # [L, H, D]
             for c in (k_cache, v_cache))
@@ -1568,28 +1579,34 @@ def _shape(tokens: int, requests: int, max_query_len: int, max_seq_len: int = 40
 
 
 def test_graph_key_for_picks_the_smallest_bucket():
-    """A decode step (one token a request) replays ("decode", the smallest bucket >= its requests, the
-    smallest context bound >= its longest context); any other step ("prompt", the smallest token bucket >=
-    its tokens, 0); a step past the largest bucket runs eagerly (None)."""
+    """A decode step (one token a request) replays ("decode", the smallest bucket >= its requests); any other
+    step ("prompt", the smallest token bucket >= its tokens); a step past the largest bucket runs eagerly
+    (None). Part 2's BoundedGraphRunner adds the smallest context bound >= the step's longest context."""
     g = Engine(model="tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8), graph_token_buckets=(16, 64),
                max_num_seqs=16).runner.graphs
-    bound = g.max_seq_len  # the CPU's ops have no context bounds: one decode graph a bucket
-    assert g.bounds == {b: (bound,) for b in (1, 2, 4, 8)}
+    assert type(g) is graphs.GraphRunner, "the chapter's engine runs the chapter's graph runner"
     assert [g.key_for(_shape(b, b, 1)) for b in (1, 2, 3, 5, 8)] == \
-        [("decode", 1, bound), ("decode", 2, bound), ("decode", 4, bound), ("decode", 8, bound), ("decode", 8, bound)]
-    assert g.key_for(_shape(9, 9, 1)) == ("prompt", 16, 0), "a decode past the decode buckets: by its tokens"
-    assert g.key_for(_shape(2, 3, 1)) == ("prompt", 16, 0), "one-token rows with an empty request: not a decode"
+        [("decode", 1), ("decode", 2), ("decode", 4), ("decode", 8), ("decode", 8)]
+    assert g.key_for(_shape(9, 9, 1)) == ("prompt", 16), "a decode past the decode buckets: by its tokens"
+    assert g.key_for(_shape(2, 3, 1)) == ("prompt", 16), "one-token rows with an empty request: not a decode"
     assert [g.key_for(_shape(t, 1, t)) for t in (2, 16, 17, 64)] == \
-        [("prompt", 16, 0), ("prompt", 16, 0), ("prompt", 64, 0), ("prompt", 64, 0)]
+        [("prompt", 16), ("prompt", 16), ("prompt", 64), ("prompt", 64)]
     assert g.key_for(_shape(65, 3, 60)) is None and g.key_for(_shape(65, 65, 1)) is None
     decode_only = Engine(model="tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8),
                          cudagraph_mode="full_decode_only").runner.graphs
-    assert decode_only.key_for(_shape(4, 4, 1)) == ("decode", 4, bound)
+    assert decode_only.key_for(_shape(4, 4, 1)) == ("decode", 4)
     assert decode_only.key_for(_shape(5, 2, 4)) is None and decode_only.key_for(_shape(9, 9, 1)) is None
     # Decode graphs on both sides of a context bound (Part 2's packed attention): the one the batch allows
-    g.bounds[8] = (24, bound)
-    assert [g.key_for(_shape(7, 7, 1, m)) for m in (1, 24, 25)] == \
+    tuned = Engine(model="tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8), graph_token_buckets=(16, 64),
+                   max_num_seqs=16, tuned=True).runner.graphs
+    bound = tuned.max_seq_len  # the CPU's ops have no context bounds: one decode graph a bucket
+    assert type(tuned) is nanoengine.BoundedGraphRunner and tuned.bounds(8) == (bound,)
+    assert tuned.key_for(_shape(3, 3, 1)) == ("decode", 4, bound) and tuned.key_for(_shape(2, 1, 2)) == ("prompt", 16)
+    tuned.model.ops.decode_context_bounds = lambda b, hkv: (24,) if b == 8 else ()
+    assert [tuned.key_for(_shape(7, 7, 1, m)) for m in (1, 24, 25)] == \
         [("decode", 8, 24), ("decode", 8, 24), ("decode", 8, bound)]
+    assert ("decode", 8, 24) in tuned.keys() and ("decode", 4, bound) in tuned.keys()
+    assert tuned.decode_batch(("decode", 8, 24)).max_seq_len == 24
 
 
 @pytest.mark.parametrize("mode", ["full", "full_decode_only"])
@@ -1606,9 +1623,9 @@ def test_graph_runner_equals_plain_forward_for_every_batch_size(mode):
             plain = engine.model.compute_logits(engine.model(batch, engine.runner.kv_cache))
             key = g.key_for(batch)
             if B <= 8:
-                assert key == ("decode", min(b for b in g.buckets if b >= B), g.max_seq_len)
+                assert key == ("decode", min(b for b in g.buckets if b >= B))
             else:
-                assert key == (("prompt", 16, 0) if mode == "full" else None)
+                assert key == (("prompt", 16) if mode == "full" else None)
             if key is not None:
                 torch.testing.assert_close(g.run(batch), plain, atol=1e-4, rtol=1e-5)
             else:
@@ -1651,7 +1668,7 @@ def test_graphed_prompt_steps_equal_eager(monkeypatch, use_async):
         assert any(k[0] == "decode" for k in keys) == (name != "eager")
         if name == "full":
             g = engine.runner.graphs
-            assert g.rows_run > g.rows_real, "some steps were padded to their bucket"
+            assert g.tokens_run > g.tokens_real, "some steps were padded to their bucket"
         check_clean(engine)
     assert results["full"] == results["full_decode_only"] == results["eager"]
 
@@ -1691,14 +1708,14 @@ def test_padding_tokens_are_harmless():
         steps.append((out, engine.runner.inputs.prepare(out)[0]))
     (out, batch), (eager_out, eager_batch) = steps
     g, kv = graphed.runner.graphs, graphed.runner.kv_cache
-    assert g.key_for(batch) == ("prompt", 32, 0) and batch.input_ids.shape[0] == 14
+    assert g.key_for(batch) == ("prompt", 32) and batch.input_ids.shape[0] == 14
     kv.fill_(float("nan"))
     before = kv.clone()
     with torch.inference_mode():
         logits = g.run(batch)
         eager_logits = eager.model.compute_logits(eager.model(eager_batch, eager.runner.kv_cache)
                                                   [eager_batch.logits_indices])
-    assert (g.rows_run, g.rows_real) == (32, 14)
+    assert (g.tokens_run, g.tokens_real) == (32, 14)
     same = (kv == before) | (kv.isnan() & before.isnan())
     changed = (~same).flatten(4).any(-1).any(0).any(0)  # (blocks + 1, block_size): slot written?
     bs, scratch = graphed.cfg.block_size, graphed.book.blocks.num_blocks
@@ -1780,7 +1797,7 @@ def test_gpu_graphed_prompt_steps_equal_eager(monkeypatch, use_async):
     prompts = mixed_prompts(24, 4096, seed=46, lengths=(5, 90, 17, 200, 33, 1))
     graphed = nanoengine.LLM("tiny", cudagraph_mode="full", async_scheduling=use_async, **dev)
     g = graphed.engine.runner.graphs
-    assert g.capture_graphs and g.token_buckets == [16, 32, 64] and ("prompt", 64, 0) in g.graphs
+    assert g.capture_graphs and g.token_buckets == [16, 32, 64] and ("prompt", 64) in g.graphs
     replayed, key_for = collections.Counter(), g.key_for
 
     def counted(batch):
@@ -2010,14 +2027,19 @@ def test_textbook_and_tuned_paths_match_the_reference(preset_references, preset,
         engine = Engine(model=preset, tuned=tuned, max_num_batched_tokens=24, async_scheduling=use_async)
         v, ops = engine.cfg.tuned, engine.model.ops
         assert v == (tuned if isinstance(tuned, frozenset) else frozenset(nanoengine.TUNED) if tuned else frozenset())
-        assert (ops.add_rmsnorm_linear is None) == ("gemv" not in v)
-        assert (ops.decode_attention is None) == ("decode_attention" not in v)
+        if not v:  # the chapter: its ops, layers and host classes, nothing of Part 2
+            assert vars(ops).keys() == vars(nanoengine.textbook_ops(False)).keys()
+            assert {type(layer) for layer in engine.model.model.layers} == {nanoengine.DecoderLayer}
+        else:
+            assert (getattr(ops.add_rmsnorm_linear, "func", None) is nanoengine.add_rmsnorm_then_linear) == \
+                ("gemv" not in v)
+            assert (ops.decode_attention is None) == ("decode_attention" not in v)
         assert isinstance(engine.book, scheduler.SteadyBook) == ("steady" in v)
         plans, schedule = [], engine.scheduler.schedule
         engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
         assert tokens_of(run(engine, prompts, greedy(5), use_async)) == want, f"tuned={sorted(v)}"
         assert any(0 < p.num_decode < len(p.requests) for p in plans), "decodes ran beside prompt chunks"
-        assert any(p.steady is not None for p in plans) == ("steady" in v)
+        assert any(getattr(p, "steady", None) is not None for p in plans) == ("steady" in v)
         check_clean(engine)
 
 
@@ -2095,17 +2117,20 @@ def test_staging_packs_every_array_16_byte_aligned():
     assert nanoengine.aligned_offsets([3, 2, 5], 8) == ([0, 4, 6], 12)
     assert nanoengine.aligned_offsets([1, 4, 0, 1], 4) == ([0, 4, 8, 8], 12)
     rng = np.random.default_rng(0)
+    bounds = {f"i{k}": ("int64", 8) for k in range(4)} | {f"s{k}": ("int32", 8) for k in range(3)}
     for device in ("cpu", "cuda") if CUDA else ("cpu",):
-        staging = nanoengine.Staging(torch.device(device), {"int64": 64, "int32": 64})
+        staging = nanoengine.Staging(torch.device(device), bounds)
         for _ in range(5):
-            ints = [rng.integers(0, 100, int(n)) for n in rng.integers(0, 9, 4)]
-            small = [rng.integers(0, 100, int(n)).astype(np.int32) for n in rng.integers(0, 9, 3)]
-            out = staging.to_device(ints, small)
-            for tensors, arrays in zip(out, (ints, small)):
-                assert all(torch.equal(t.cpu(), torch.from_numpy(a)) for t, a in zip(tensors, arrays))
-                assert device == "cpu" or all(t.data_ptr() % 16 == 0 for t in tensors)
+            arrays = {f"i{k}": rng.integers(0, 100, int(n)) for k, n in enumerate(rng.integers(0, 9, 4))}
+            arrays |= {f"s{k}": rng.integers(0, 100, int(n)).astype(np.int32)
+                       for k, n in enumerate(rng.integers(0, 9, 3))}
+            out = staging.to_device(arrays)
+            for name, a in arrays.items():
+                t = getattr(out, name)
+                assert torch.equal(t.cpu(), torch.from_numpy(a)) and t.dtype == torch.from_numpy(a).dtype, name
+                assert device == "cpu" or t.data_ptr() % 16 == 0, name
         if device == "cpu":
-            assert staging.to_device(ints, small) is out, "the same arrays: the same views"
+            assert staging.to_device(dict(arrays)) is out, "the same arrays: the same views"
 
 
 # -- Per-token outputs, streaming, request metrics ----------------------------------------------------
@@ -2749,9 +2774,10 @@ def test_cli_help_states_every_default_and_each_command_its_time():
                 assert "default" in (action.help or ""), f"run.py {name} {action.option_strings[0]}: no default"
     r = cli("bench", "--help")
     assert r.returncode == 0 and "(default: 256 on CUDA, 64 on the CPU)" in " ".join(r.stdout.split())
-    a = run_py.make_parser().parse_args(["overhead"])
-    assert a.tuned is True and run_py.make_parser().parse_args(["overhead", "--no-tuned"]).tuned is False
-    assert run_py.make_parser().parse_args(["generate", "--tuned=-pdl"]).tuned == "-pdl"
+    assert run_py.parse_args(["overhead"]).tuned is True and run_py.parse_args(["overhead", "--no-tuned"]).tuned is False
+    assert run_py.parse_args(["generate"]).tuned is False, "generate runs the chapter"
+    assert run_py.parse_args(["bench"]).tuned is run_py.parse_args(["online"]).tuned is True
+    assert run_py.parse_args(["generate", "--tuned=-pdl"]).tuned == "-pdl"
 
 
 def test_cli_generate_and_bench():
@@ -2881,17 +2907,21 @@ def test_each_variant_swaps_only_its_ops(variant):
     mcfg = nanoengine.ModelConfig.from_hf(nanoengine.PRESETS["tiny-moe"])
     for triton_on in (True, False):
         cfg = nanoengine.EngineConfig(device="cpu", triton=triton_on)
+        assert not {"add_rmsnorm_linear", "decode_attention"} & set(vars(nanoengine.textbook_ops(triton_on))), \
+            "the chapter's ops hold no slot for Part 2"
+        cfg.tuned = frozenset()  # Part 2's ops, none of them a variant: add_rmsnorm_linear is Part 1's ops in turn
+        before = vars(nanoengine.tuned_ops(nanoengine.textbook_ops(triton_on), cfg, mcfg))
         cfg.tuned = frozenset({variant})
-        ops = nanoengine.textbook_ops(triton_on)
-        before = dict(vars(ops))
-        after = vars(nanoengine.tuned_ops(ops, cfg, mcfg))
-        changed = {name for name in after if after[name] is not before[name]}
+        after = vars(nanoengine.tuned_ops(nanoengine.textbook_ops(triton_on), cfg, mcfg))
+        same = lambda a, b: a is b or (isinstance(a, partial) and isinstance(b, partial) and a.func is b.func  # noqa
+                                       and a.keywords == b.keywords and len(a.args) == len(b.args))
+        changed = {name for name in after if not same(after[name], before[name])}
         # Without Triton (the CPU's forward) gemv's matmul stays cuBLAS's, and a variant whose reference is
         # the textbook op itself (moe_route, sampler, the MoE's) changes nothing.
         without_triton = {"gemv": {"add_rmsnorm_linear"}, "decode_attention": {"decode_attention"}}
         expect = SWAPS[variant] if triton_on else without_triton.get(variant, set())
         assert changed == expect, f"{variant}, triton={triton_on}"
-    assert before["add_rmsnorm_linear"] is None and before["decode_attention"] is None, "the textbook path has neither"
+    assert before["decode_attention"] is None and before["add_rmsnorm_linear"].func is nanoengine.add_rmsnorm_then_linear
 
 
 # -- 2.1 pdl: programmatic dependent launch --------------------------------------------------------------
@@ -2951,15 +2981,15 @@ def decode_attention(b, hkv, **kw):  # the CPU counts as 1 SM: past 4 programs, 
 
 
 CASES = {
-    "add_rmsnorm": lambda: kernels.add_rmsnorm(z(4, 256), z(4, 256), z(256), 1e-6, pdl=True),
-    "silu_and_mul": lambda: kernels.silu_and_mul(z(4, 512), pdl=True),
+    "add_rmsnorm": lambda: kernels.add_rmsnorm(z(4, 256), z(4, 256), z(256), 1e-6),
+    "silu_and_mul": lambda: kernels.silu_and_mul(z(4, 512)),
     "rope_write_kv": lambda: kernels.rope_write_kv(z(3, 4, 64), z(3, 2, 64), z(3, 2, 64), z(5, 16, 2, 64),
                                                    z(5, 16, 2, 64), ints(3), ints(3), torch.zeros(64, 64), z(64),
-                                                   z(64), pdl=True),
+                                                   z(64)),
     "paged_attention": lambda: kernels.paged_attention(z(5, 4, 64), z(5, 16, 2, 64), z(5, 16, 2, 64),
                                                        torch.tensor([0, 3, 5], dtype=torch.int32), ints(2),
-                                                       ints(2, 2).int(), 0.1, 3, pdl=True),
-    "fused_moe": lambda: kernels.fused_moe(z(4, 128), z(8, 256, 128), z(8, 128, 128), z(4, 2), ints(4, 2), pdl=True),
+                                                       ints(2, 2).int(), 0.1, 3),
+    "fused_moe": lambda: kernels.fused_moe(z(4, 128), z(8, 256, 128), z(8, 128, 128), z(4, 2), ints(4, 2)),
     "linear": lambda: kernels.linear(z(1, 1024), z(512, 1024), pdl=True),
     "linear_dot": lambda: kernels.linear(z(16, 1024), z(512, 1024), pdl=True),
     "add_rmsnorm_linear": lambda: kernels.add_rmsnorm_linear(z(1, 1024), z(1, 1024), z(1024), 1e-6, z(1024, 1024),
@@ -2990,8 +3020,8 @@ def h200_ptx():
     return {rec["case"]: rec["kernels"] for rec in map(json.loads, r.stdout.splitlines())}
 
 
-PTX_CASES = ["add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", "fused_moe", "linear", "linear_dot",
-             "add_rmsnorm_linear", "decode_attention", "decode_attention_packed", "decode_attention_split",
+PART1_CASES = ["add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", "fused_moe"]  # plain launches
+PTX_CASES = PART1_CASES + ["linear", "linear_dot", "add_rmsnorm_linear", "decode_attention", "decode_attention_packed", "decode_attention_split",
              "decode_attention_rope_inside", "decode_attention_rope_inside_split", "fused_moe_decode", "moe_route",
              "race_sample"]
 
@@ -2999,7 +3029,8 @@ PTX_CASES = ["add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", 
 @pytest.mark.parametrize("case", PTX_CASES)
 def test_kernels_compile_for_sm90_and_wait_before_any_load(h200_ptx, case):
     """Each kernel a launcher starts compiles for an H200, where the compiler is stricter than the CPU's
-    interpreter (only tl.constexpr globals, loop-carried variables of one type). Under PDL a kernel touches
+    interpreter (only tl.constexpr globals, loop-carried variables of one type). Part 1's kernels launch
+    plainly: no griddepcontrol in them. Part 2's launch under PDL, where a kernel touches
     no memory before griddepcontrol.wait, since the kernel before may still be writing, but for what no kernel
     writes: linear prefetches its first weight tile into L2 (short rows only), decode attention loads what the
     host staged. Every kernel then lets the next one launch (griddepcontrol.launch_dependents), but decode
@@ -3010,6 +3041,9 @@ def test_kernels_compile_for_sm90_and_wait_before_any_load(h200_ptx, case):
     for name, out in compiled.items():
         assert "error" not in out, f"{name} does not compile for sm_90: {out.get('error')}"
         body = out["ptx"][out["ptx"].index(".entry"):]
+        if name in _part1_kernels():
+            assert "griddepcontrol" not in body, f"{name}: a Part 1 kernel with PDL in it"
+            continue
         wait = body.find("griddepcontrol.wait")
         assert wait >= 0, f"{name} never waits for its inputs"
         early = [line.strip() for line in body[:wait].splitlines()
@@ -3025,6 +3059,11 @@ def test_kernels_compile_for_sm90_and_wait_before_any_load(h200_ptx, case):
     if case.startswith("decode_attention"):  # the launch took the path the case names
         c = compiled["_decode_attention_kernel"]["constexprs"]
         assert (c["PACK_SHIFT"] > 0, c["SPLIT"], c["ROPE"]) == ("packed" in case, "split" in case, "rope" in case), c
+
+
+def _part1_kernels() -> set[str]:
+    part2 = next(i for i, line in enumerate(open(kernels.__file__), 1) if line.startswith("# Part 2"))
+    return {fn.name for fn in _jit_functions()[1] if fn.lineno < part2}
 
 
 def _jit_functions():
@@ -3049,14 +3088,17 @@ def test_jit_functions_read_only_constexpr_globals(name):
 
 def test_kernel_every_kernel_waits_for_its_inputs():
     """A kernel launched with launch_pdl must wait before it reads what the kernel before wrote: every
-    @triton.jit kernel takes PDL, and its first statement is _wait_for_inputs(PDL) (decode attention's
+    Part 2 kernel takes PDL (Part 1's none), and its first statement is _wait_for_inputs(PDL) (decode attention's
     _wait_hold_next(PDL) waits without releasing the next kernel early). Two read before it only what no
     kernel writes: linear prefetches its weight into L2, decode attention loads what the host staged."""
     staged = {"_linear_kernel": set(), "_decode_attention_kernel": {"seq_lens_ptr", "positions_ptr",
                                                                      "slot_mapping_ptr", "cos_sin_ptr"}}
     _, functions = _jit_functions()
-    kernels_found = [fn for fn in functions if fn.name.endswith("_kernel")]
-    assert len(kernels_found) >= 12
+    part1 = _part1_kernels()
+    kernels_found = [fn for fn in functions if fn.name.endswith("_kernel") and fn.name not in part1]
+    assert len(kernels_found) >= 6 and len(part1) >= 6
+    for fn in functions:
+        assert fn.name not in part1 or "PDL" not in [a.arg for a in fn.args.args], f"{fn.name}: Part 1 takes no PDL"
     for fn in kernels_found:
         assert "PDL" in [a.arg for a in fn.args.args], fn.name
         docstring = isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
@@ -3318,11 +3360,11 @@ def test_triton_linear_rows_setting():
     """triton_linear_rows / triton_narrow_rows stay None unless given: the defaults by model are decided in
     tuned_ops (on the CPU, or a Triton interpreter, no Triton matmul), and a given value means what it says."""
     mcfg = nanoengine.ModelConfig.from_hf(nanoengine.PRESETS["tiny"])
-    cfg = nanoengine.EngineConfig(device="cpu", triton=True)
+    cfg = nanoengine.EngineConfig(device="cpu", triton=True, tuned=True)
     assert cfg.triton_linear_rows is None and cfg.triton_narrow_rows is None
     keywords = lambda cfg: nanoengine.tuned_ops(nanoengine.textbook_ops(True), cfg, mcfg).linear.keywords  # noqa
     assert keywords(cfg) == {"max_rows": 0, "narrow_rows": 0, "pdl": False}
-    given = nanoengine.EngineConfig(device="cpu", triton=True, triton_linear_rows=16, triton_narrow_rows=32)
+    given = nanoengine.EngineConfig(device="cpu", triton=True, tuned=True, triton_linear_rows=16, triton_narrow_rows=32)
     assert keywords(given) == {"max_rows": 16, "narrow_rows": 32, "pdl": False}
 
 
@@ -3632,9 +3674,11 @@ def test_graph_runner_packs_kv_heads_of_short_contexts(monkeypatch):
     monkeypatch.setattr(kernels, "ATTN_PACK_PROGRAMS", 8)  # tiny's 4 kv heads: 2 a program at 4 requests, 4 at 8
     monkeypatch.setattr(kernels, "ATTN_PACK_MAX_CONTEXT", 24)  # short prompts suffice to pass it (the interpreter)
     dev = dict(device="cuda", dtype="float32", num_blocks=256) if CUDA else {}
-    llm = LLM("tiny", fuse=True, triton=True, enforce_eager=False, graph_buckets=(2, 4, 8), max_num_seqs=8, **dev)
+    llm = LLM("tiny", fuse=True, triton=True, tuned=True, enforce_eager=False, graph_buckets=(2, 4, 8), max_num_seqs=8,
+              **dev)
     g, bound = llm.engine.runner.graphs, kernels.ATTN_PACK_MAX_CONTEXT
-    assert g.bounds == {2: (g.max_seq_len,), 4: (bound, g.max_seq_len), 8: (bound, g.max_seq_len)}
+    assert {b: g.bounds(b) for b in (2, 4, 8)} == {2: (g.max_seq_len,), 4: (bound, g.max_seq_len),
+                                                    8: (bound, g.max_seq_len)}
     keys, key_for = [], g.key_for
     monkeypatch.setattr(g, "key_for", lambda batch: keys.append(key_for(batch)) or keys[-1])
     reference = LLM("tiny", fuse=False, **dev)
@@ -3903,7 +3947,7 @@ def test_steady_decode_plans_and_stages_what_the_general_path_does(seed, use_asy
             kw["stop_token_ids"] = [o.token_ids[len(o.token_ids) // 2]]
     params = [SamplingParams(**kw) for kw in raw]
     settings = dict(model="tiny", num_blocks=num_blocks, max_num_seqs=4 if seed in (1, 3, 5) else 256)
-    engines = [Engine(**settings), Engine(tuned="-steady", **settings)]
+    engines = [Engine(tuned=True, **settings), Engine(tuned="-steady", **settings)]
     assert isinstance(engines[0].book, scheduler.SteadyBook) and type(engines[1].book) is scheduler.RequestBook
     fast_plans, logs, condensed = [], [[], []], []
     steady_step, condense = engines[0].scheduler._steady_step, engines[0].runner.inputs._condense
@@ -3942,7 +3986,7 @@ def test_seq_lens_are_int64_on_both_paths_and_the_counters_on_the_fast_path():
     """A steady decode stages its counters (the sampled token's index) as seq_lens too, so it advances one
     int64 array a step, not two; the general path stages int64 seq_lens as well, and so do the graphs'
     buffers, so the attention kernel sees one dtype (on CUDA a second would compile it again)."""
-    engine = Engine(model="tiny")
+    engine = Engine(model="tiny", tuned=True)
     inputs = engine.runner.inputs
     seen, prepare = [], inputs.prepare
 
@@ -3968,7 +4012,7 @@ def test_a_steady_decode_builds_its_rows_once(use_async):
     """The step that forms a steady decode builds its DecodeRows (_prepare_formed), with its inputs from
     the requests' last tokens, or in flight (async); every later step of the set only advances those rows,
     across block boundaries too. The tokens are those of an engine without the steady variant."""
-    engines = [Engine(model="tiny"), Engine(model="tiny", tuned="-steady")]
+    engines = [Engine(model="tiny", tuned=True), Engine(model="tiny", tuned="-steady")]
     inputs, built = engines[0].runner.inputs, []
     decode_rows = inputs._decode_rows  # is its plan one step on from the last (its set formed before)?
     inputs._decode_rows = lambda out: built.append(out.requests is inputs.prev_sampling) or decode_rows(out)
