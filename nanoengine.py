@@ -5,8 +5,8 @@
     outs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 
 The engine knows only token ids; a tokenizer (optional) turns text into ids at the edges. It imports
-kernels.py (Triton kernels and their torch references), scheduler.py (requests, blocks, batching, and the
-Batch type) and graphs.py (CUDA graphs per bucket). run.py is the command line.
+kernels.py (Triton kernels and their torch references: by path, see own_kernels), scheduler.py (requests,
+blocks, batching, and the Batch type) and graphs.py (CUDA graphs per bucket). run.py is the command line.
 
 Part 1 is the chapter: the model calls the Part 1 kernels by name, the runner turns each plan into a
 Batch of device tensors, and the engine plans step s+1 while step s runs (step_async). Part 2, at the end,
@@ -14,10 +14,12 @@ is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the ste
 The forward never reads a batch value back to the host, so a CUDA graph can hold it.
 """
 import gc
+import importlib.util
 import json
 import math
 import os
 import random
+import sys
 import time
 import typing
 from dataclasses import dataclass, fields, replace
@@ -30,10 +32,29 @@ import torch._dynamo  # noqa: F401 (imported first under the meta device, it wou
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from graphs import GraphRunner, default_buckets, default_token_buckets
 from scheduler import (FINISHED, PLACEHOLDER, SEED_RANGE, Batch, BlockManager, Request, RequestBook,
                        SamplingParams, Scheduler, SteadyBook, SteadyScheduler, check_type, is_int, require)
+
+
+def own_kernels():
+    """kernels.py from this file's folder, whatever else is called `kernels` (transformers 5.x brings Hugging Face's
+    `kernels` package): the loaded module if it is this file, else this file loaded by path, under the name "kernels"
+    only where `import kernels` would find this file anyway, so another package's import never gets ours."""
+    path = os.path.realpath(os.path.join(os.path.dirname(__file__), "kernels.py"))
+    ours = lambda file: file is not None and os.path.realpath(file) == path  # noqa: E731
+    for name in ("kernels", "nanoengine_kernels"):
+        if ours(getattr(sys.modules.get(name), "__file__", None)):
+            return sys.modules[name]
+    found = importlib.util.find_spec("kernels") if "kernels" not in sys.modules else None
+    name = "kernels" if found is not None and ours(found.origin) else "nanoengine_kernels"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kernels = own_kernels()
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
 

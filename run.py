@@ -7,7 +7,7 @@
 
 Results go to stdout as JSON lines (generate's text, unless --json), progress to stderr. Bad input prints one
 line naming the problem and exits with status 2. On the CPU the defaults are smaller where a command would take
-long, and each command's --help says how long it takes. Imports nanoengine (and kernels.py, for the launch costs)."""
+long, and each command's --help says how long it takes. Imports nanoengine (and its kernels, for the launch costs)."""
 import argparse
 import collections
 import json
@@ -20,8 +20,7 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-import kernels
-from nanoengine import PRESETS, TUNED, Engine, EngineConfig, SamplingParams, param_bytes
+from nanoengine import PRESETS, TUNED, Engine, EngineConfig, SamplingParams, kernels, param_bytes
 
 # The floors divide bytes by the device's bandwidth: --bandwidth, else measured by a copy of this many bytes
 # (past every cache: the H200's L2 is 60 MB), the best of COPY_REPEATS, well under a second.

@@ -10,6 +10,8 @@ named here fails test_the_index_names_every_test.
 
   The files
     imports run one way, no two files import each other . test_imports_run_one_way
+    nanoengine runs its own kernels.py beside another `kernels` (transformers 5.x's)
+        test_nanoengine_runs_its_own_kernels_beside_another_kernels_package
     this index names every test ........................ test_the_index_names_every_test
   kernels.py, Part 1: the chapter's kernels, each against its plain-torch reference
     each section runs alone: copy-paste proven .......... test_kernel_part1_sections_run_alone
@@ -159,10 +161,9 @@ import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphs
-import kernels
 import nanoengine
 import scheduler
-from nanoengine import SamplingParams
+from nanoengine import SamplingParams, kernels  # the kernels.py nanoengine runs (nanoengine.own_kernels)
 from scheduler import PLACEHOLDER
 
 CUDA = torch.cuda.is_available()
@@ -734,6 +735,35 @@ def test_imports_run_one_way():
             assert name not in ours[other], f"{name}.py and {other}.py import each other"
     assert "scheduler" in ours["graphs"], "graphs.py takes Batch from scheduler.py, below it"
     assert not {"torch", "triton"} & _imports("scheduler"), "scheduler.py knows no torch"
+
+
+# A script that checks nanoengine runs its own kernels.py while `import kernels` gets another package's (Hugging
+# Face's, which transformers 5.x imports; here a stand-in), whichever of the two is imported first.
+OWN_KERNELS_SCRIPT = """
+import os, sys, torch
+{imports}
+assert kernels.CUDAProperties and sys.modules["kernels"] is kernels, "`import kernels` is the stand-in"
+assert os.path.samefile(nanoengine.kernels.__file__, {ours!r}), nanoengine.kernels.__file__
+[out] = nanoengine.LLM("tiny", device="cpu").generate([[1, 2, 3]], nanoengine.SamplingParams(max_tokens=2))
+x = torch.randn(3, 16)  # a Triton launch too (the interpreter)
+torch.testing.assert_close(nanoengine.kernels.silu_and_mul(x), nanoengine.kernels.silu_and_mul_ref(x))
+print(len(out.token_ids))
+"""
+
+
+def test_nanoengine_runs_its_own_kernels_beside_another_kernels_package(tmp_path):
+    """With a stand-in `kernels` package installed (first on the path): a script elsewhere that imports it before
+    nanoengine, and a script in this folder that imports nanoengine first after the README's line (the folder
+    moved to the end of sys.path), both get the stand-in from `import kernels`, and nanoengine its own kernels.py."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("class CUDAProperties:\n    pass\n")
+    elsewhere = ("import kernels\nimport nanoengine", tmp_path, f"{tmp_path}{os.pathsep}{HERE}")
+    in_folder = ("sys.path.append(sys.path.pop(0))\nimport nanoengine\nimport kernels", HERE, str(tmp_path))
+    for imports, cwd, path in (elsewhere, in_folder):  # python -c: sys.path[0] is the folder it runs in
+        script = OWN_KERNELS_SCRIPT.format(imports=imports, ours=kernels.__file__)
+        env = os.environ | {"PYTHONPATH": path, "TRITON_INTERPRET": "1"}
+        r = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.split() == ["2"], (imports, r.stderr[-2000:])
 
 
 def test_the_index_names_every_test():
