@@ -954,6 +954,18 @@ PRESETS = {
 }
 
 
+# config.json fields of the four architectures (transformers 4.x and 5.x) that do not change what the model computes
+# at inference: training settings, ids only the tokenizer uses, the checkpoint's storage dtype (EngineConfig.dtype
+# decides), pretraining_tp (a split of the same matmuls), and window sizes only use_sliding_window turns on. Every
+# other field of those configs is honoured by ModelConfig.from_hf, or refused where its value changes the math.
+INERT_FIELDS = ("initializer_range", "use_cache", "attention_dropout", "bos_token_id", "pad_token_id", "torch_dtype",
+                "dtype", "pretraining_tp", "output_router_logits", "router_aux_loss_coef", "sliding_window",
+                "max_window_layers", "model_type", "transformers_version")
+# Fields whose other values change the math in a way nanoengine does not run: {field: the values it runs (a list:
+# each entry)}. swish is SiLU (transformers' ACT2FN); a sliding window is a different attention.
+RUNS_ONLY = {"hidden_act": ("silu", "swish"), "mlp_bias": (False,), "use_sliding_window": (False,),
+             "layer_types": ("full_attention",)}
+
 # config.json fields that transformers 5.x writes under another name: {4.x name: 5.x name} (Qwen3-MoE's
 # attribute_map). 5.x also moved rope_theta and rope_scaling into one rope_parameters dict.
 V5_NAMES = {"num_experts": "num_local_experts"}
@@ -975,9 +987,23 @@ def v4_names(cfg: dict) -> dict:
     return cfg
 
 
+def refuse_other_math(cfg: dict, where: str):
+    """A ValueError naming the field and its value where the config asks for math nanoengine does not run."""
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported; "
+                         "nanoengine loads unquantized float16/bfloat16/float32 weights only")
+    for key, runs in RUNS_ONLY.items():
+        value = cfg.get(key)
+        if value is not None and any(v not in runs for v in (value if isinstance(value, list) else [value])):
+            raise ValueError(f"{where}: {key}={value!r:.120} is not supported; nanoengine runs "
+                             f"{' or '.join(map(repr, runs))}" + (" in each entry" if isinstance(value, list) else ""))
+
+
 @dataclass
 class ModelConfig:
-    """The model's shape, read from a Hugging Face config.json (transformers 4.x or 5.x layout)."""
+    """The model's shape, read from a Hugging Face config.json (transformers 4.x or 5.x layout): every field of the
+    four architectures' configs is honoured, refused (refuse_other_math, rope types) or inert (INERT_FIELDS)."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -1017,12 +1043,7 @@ class ModelConfig:
                 raise ValueError(f"{where}: required field '{key}'{also} is missing")
             if not is_int(cfg[key]) or cfg[key] < 1:
                 raise ValueError(f"{where}: {key}={cfg[key]!r} is invalid: it must be an integer >= 1")
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported; "
-                             "nanoengine loads unquantized float16/bfloat16/float32 weights only")
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window=True is not supported; only full attention is")
+        refuse_other_math(cfg, where)
         scaling = cfg.get("rope_scaling") or None
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -1031,10 +1052,12 @@ class ModelConfig:
                                  "nanoengine supports 'default' and 'llama3'")
             scaling = None if kind == "default" else scaling
         heads, eos = cfg["num_attention_heads"], cfg.get("eos_token_id")
+        # absent: transformers' default, which for Qwen3 is 128, not hidden_size / heads
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else cfg["hidden_size"] // heads)
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, intermediate_size=cfg["intermediate_size"],
+            head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta") or 10000.0),
             rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -61,6 +61,8 @@ named here fails test_the_index_names_every_test.
     unfused, textbook and tuned forwards equal the reference model; checkpoints; tokenizer; refused models
         test_greedy_matches_reference, test_safetensors_round_trip, test_string_prompts_with_a_tokenizer,
         test_bad_models_are_refused
+    every field of the four architectures' transformers configs: honoured, refused, or inert
+        test_every_config_field_is_honoured_refused_or_inert
     fusion costs no memory and records no autograd; the whole forward on Triton
         test_fused_equals_unfused_and_costs_no_memory, test_no_weight_requires_grad_and_the_step_records_nothing,
         test_triton_kernels_end_to_end_equal_unfused
@@ -1936,6 +1938,98 @@ def test_bad_models_are_refused(tmp_path, ckpt_dirs):
             Engine(model=save_checkpoint(tmp_path / f"bad{i}", bad_cfg, sd))
     with pytest.raises(ValueError, match="lacks"):
         Engine(model=save_checkpoint(tmp_path / "partial", cfg, {k: v for k, v in sd.items() if "layers.1." not in k}))
+
+
+# Every field of transformers' LlamaConfig, Qwen2Config, Qwen3Config and Qwen3MoeConfig (4.57.1 and 5.25.0), and
+# those every config.json carries: CONFIG_FIELDS has a row for each.
+HF_CONFIG_FIELDS = {
+    "llama": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+             "hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache pad_token_id bos_token_id "
+             "eos_token_id pretraining_tp tie_word_embeddings rope_theta rope_scaling rope_parameters attention_bias "
+             "attention_dropout mlp_bias head_dim",
+    "qwen2": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+             "hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache tie_word_embeddings "
+             "rope_theta rope_scaling rope_parameters use_sliding_window sliding_window max_window_layers layer_types "
+             "attention_dropout pad_token_id bos_token_id eos_token_id",
+    "qwen3": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+             "head_dim hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache tie_word_embeddings "
+             "rope_theta rope_scaling rope_parameters attention_bias use_sliding_window sliding_window "
+             "max_window_layers layer_types attention_dropout pad_token_id bos_token_id eos_token_id",
+    "qwen3_moe": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+                 "hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache tie_word_embeddings "
+                 "rope_theta rope_scaling rope_parameters attention_bias use_sliding_window sliding_window "
+                 "attention_dropout decoder_sparse_step moe_intermediate_size num_experts_per_tok num_experts "
+                 "num_local_experts norm_topk_prob output_router_logits router_aux_loss_coef mlp_only_layers "
+                 "pad_token_id bos_token_id eos_token_id",
+    "every config.json": "architectures model_type torch_dtype dtype transformers_version quantization_config",
+}
+LLAMA3 = dict(rope_type="llama3", factor=2.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=128)
+# (field, the architecture's test checkpoint it is set in, a value that is accepted (None: absent), what that sets in
+# ModelConfig (None: nothing changes), a value that is refused or None, the refusal's message)
+CONFIG_FIELDS = [
+    ("vocab_size", "llama", 300, {"vocab_size": 300}, 0, "vocab_size=0 is invalid: it must be an integer >= 1"),
+    ("hidden_size", "llama", 128, {"hidden_size": 128}, 1.5, "hidden_size=1.5 is invalid"),
+    ("intermediate_size", "llama", 96, {"intermediate_size": 96}, -1, "intermediate_size=-1 is invalid"),
+    ("num_hidden_layers", "llama", 3, {"num_layers": 3}, None, "required field 'num_hidden_layers' is missing"),
+    ("num_attention_heads", "llama", 8, {"num_heads": 8}, 0, "num_attention_heads=0 is invalid"),
+    ("num_key_value_heads", "llama", 1, {"num_kv_heads": 1}, None, None),
+    ("head_dim", "llama", 32, {"head_dim": 32}, None, None),
+    ("head_dim", "qwen3", None, {"head_dim": 128}, None, None),  # Qwen3's default, not hidden_size / heads
+    ("hidden_act", "llama", "swish", None, "gelu", "hidden_act='gelu' is not supported; nanoengine runs 'silu' or "
+                                                   "'swish'"),
+    ("mlp_bias", "llama", False, None, True, "mlp_bias=True is not supported; nanoengine runs False"),
+    ("attention_bias", "llama", True, {"qkv_bias": True, "o_bias": True}, None, None),
+    ("max_position_embeddings", "llama", 4096, {"max_position_embeddings": 4096}, None, None),
+    ("rms_norm_eps", "llama", 1e-5, {"rms_norm_eps": 1e-5}, None, None),
+    ("eos_token_id", "llama", [3, 4], {"eos_token_ids": (3, 4)}, None, None),
+    ("tie_word_embeddings", "llama", True, {"tie_word_embeddings": True}, None, None),
+    ("rope_theta", "llama", 1e4, {"rope_theta": 1e4}, None, None),
+    ("rope_scaling", "qwen3", LLAMA3, {"rope_scaling": LLAMA3}, dict(rope_type="yarn", factor=4.0),
+     "rope_scaling type 'yarn' is not supported"),
+    ("rope_parameters", "qwen3", dict(rope_type="default", rope_theta=5e5), {"rope_theta": 5e5},
+     dict(rope_type="dynamic", factor=2.0, rope_theta=5e5), "rope_scaling type 'dynamic' is not supported"),
+    ("use_sliding_window", "qwen2", False, None, True, "use_sliding_window=True is not supported; nanoengine runs False"),
+    ("layer_types", "qwen2", ["full_attention"] * 2, None, ["full_attention", "sliding_attention"],
+     "layer_types=['full_attention', 'sliding_attention'] is not supported; nanoengine runs 'full_attention' in each"),
+    ("num_experts", "qwen3_moe", 16, {"num_experts": 16}, None,
+     "required field 'num_experts' (transformers 5.x: 'num_local_experts') is missing"),
+    ("num_local_experts", "qwen3_moe", 4, {"num_experts": 4}, None, "required field 'num_experts'"),
+    ("num_experts_per_tok", "qwen3_moe", 4, {"num_experts_per_tok": 4}, 0, "num_experts_per_tok=0 is invalid"),
+    ("moe_intermediate_size", "qwen3_moe", 64, {"moe_intermediate_size": 64}, None,
+     "required field 'moe_intermediate_size' is missing"),
+    ("norm_topk_prob", "qwen3_moe", False, {"norm_topk_prob": False}, None, None),
+    ("decoder_sparse_step", "qwen3_moe", 2, {"decoder_sparse_step": 2}, None, None),
+    ("mlp_only_layers", "qwen3_moe", [0, 2], {"mlp_only_layers": (0, 2)}, None, None),
+    ("architectures", "llama", ["LlamaForCausalLM"], None, ["MistralForCausalLM"],
+     "architectures=['MistralForCausalLM'] is not supported"),
+    ("quantization_config", "llama", None, None, dict(quant_method="gptq"),
+     "quantization_config (quant_method='gptq') is not supported"),
+] + [(name, arch, value, None, None, None) for name, arch, value in [  # inert: nothing changes
+    ("initializer_range", "llama", 0.5), ("use_cache", "llama", False), ("attention_dropout", "llama", 0.1),
+    ("bos_token_id", "llama", 7), ("pad_token_id", "llama", 0), ("pretraining_tp", "llama", 2),
+    ("torch_dtype", "llama", "bfloat16"), ("dtype", "llama", "float16"), ("model_type", "llama", "mistral"),
+    ("transformers_version", "llama", "5.25.0"), ("sliding_window", "qwen2", 8), ("max_window_layers", "qwen2", 1),
+    ("output_router_logits", "qwen3_moe", True), ("router_aux_loss_coef", "qwen3_moe", 0.5)]]
+V5_REPLACES = {"rope_parameters": ("rope_theta", "rope_scaling"), "num_local_experts": ("num_experts",)}
+
+
+def test_every_config_field_is_honoured_refused_or_inert(ckpt_dirs):
+    """Each field of the four architectures' transformers configs (HF_CONFIG_FIELDS) either sets what the model
+    computes (ModelConfig), or is refused at a value whose math nanoengine does not run, naming the field and the
+    value, or changes nothing (nanoengine.INERT_FIELDS, listed in the README): one row each (CONFIG_FIELDS)."""
+    assert set(" ".join(HF_CONFIG_FIELDS.values()).split()) == {row[0] for row in CONFIG_FIELDS}
+    assert set(nanoengine.INERT_FIELDS) == {f for f, _, _, sets, _, msg in CONFIG_FIELDS if sets is msg is None}
+    from_hf = nanoengine.ModelConfig.from_hf
+    for field, arch, value, sets, refused, msg in CONFIG_FIELDS:
+        base = {k: v for k, v in ckpt_dirs[arch][0].items() if k not in V5_REPLACES.get(field, ())}  # a 5.x file
+        cfg = lambda v: {k: x for k, x in (base | {field: v}).items() if x is not None}  # noqa: E731 (None: absent)
+        was, now = dataclasses.asdict(from_hf(ckpt_dirs[arch][0])), dataclasses.asdict(from_hf(cfg(value)))
+        changed = {k: v for k, v in now.items() if v != was[k]}
+        assert changed == (sets or {}), (field, changed)
+        if msg is not None:
+            with pytest.raises(ValueError, match=re.escape(f"config.json: {msg}")):
+                from_hf(cfg(refused))
 
 
 # -- Fusion -------------------------------------------------------------------------------------------
