@@ -562,6 +562,8 @@ class Engine:
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
         self.readback = None  # async on CUDA: two pinned token buffers, alternating
         self._ids = 0
+        self.held: list[Request] = []  # requests with news for another caller than the last step's (_outputs)
+        self.streamed: set[Request] = set()  # the requests of open streams: their news goes to the stream
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; returns its id. Bad input raises ValueError (or TypeError, for
@@ -581,12 +583,20 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         self._check_open()
-        return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted)
+        return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted) or \
+            any(r not in self.streamed for r in self.held)
 
     # -- a step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run, read the tokens back (one host sync), update. Returns an output for each request
-        that got a token (or finished) in this step, as its output_kind asks."""
+        that got a token (or finished) in this step, as its output_kind asks, or in a stream's steps (_outputs)."""
+        return self._outputs(*self._step())
+
+    def step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
+        return self._outputs(*self._step_async())
+
+    def _step(self) -> tuple:
         self._check_open()
         t0 = time.perf_counter()
         report = self._land() if self.inflight else []  # switching from async: land its step first
@@ -597,10 +607,9 @@ class Engine:
             tokens = tokens.cpu().numpy()
             self.stats.wait_s += time.perf_counter() - t1
             report += self.book.update(out, tokens)
-        return self._outputs(out, report, t0)
+        return out, report, t0
 
-    def step_async(self) -> list[RequestOutput]:
-        """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
+    def _step_async(self) -> tuple:
         self._check_open()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
@@ -610,11 +619,16 @@ class Engine:
             launched = (self.book.append_placeholders(out), *self._copy_to_host(tokens))
         report = self._land() if self.inflight else []
         self.inflight = launched
-        return self._outputs(out, report, t0)
+        return out, report, t0
 
-    def _outputs(self, out, report: list[Request], t0: float) -> list[RequestOutput]:
-        outputs = [self.output(r) for r in report + self.book.aborted]
-        self.book.aborted = []
+    def _outputs(self, out, report: list[Request], t0: float, stream: Request | None = None) -> list[RequestOutput]:
+        """The outputs for the caller: step()'s (every request not in a stream), or a stream's (its request). Each
+        request with news comes once, with all of it; news for another caller is held for its next call, so
+        no output is lost when a stream steps the engine for everyone."""
+        news = list(dict.fromkeys(self.held + self._check_stop_strings(report) + self.book.aborted))
+        mine = [r is stream if stream else r not in self.streamed for r in news]
+        self.held, self.book.aborted = [r for r, m in zip(news, mine) if not m], []
+        outputs = [self.output(r) for r, m in zip(news, mine) if m]
         st = self.stats
         st.steps += bool(out.requests)
         st.tokens += out.num_samples
@@ -641,15 +655,37 @@ class Engine:
         self.stats.wait_s += time.perf_counter() - t
         return self.book.fill(slots, host.numpy())
 
+    def _check_stop_strings(self, report: list[Request]) -> list[Request]:
+        """Finish each request whose text now holds one of its stop strings, as vLLM: the text ends before the
+        first, the token that completed it is the last (if that was its last allowed one, the reason is "stop"
+        still). Returns those of report that have an output to give."""
+        for req in report:
+            if not req.params.stop or req.finish_reason not in (None, "length"):
+                continue
+            # only where the new text reaches: any earlier match would have stopped it already
+            start = len(req.text) - len(detokenize(self.tokenizer, req)) - max(map(len, req.params.stop)) + 1
+            found = [i for i in (req.text.find(s, max(start, 0)) for s in req.params.stop) if i >= 0]
+            if found:
+                req.text = req.text[:min(found)]
+                if req.status == FINISHED:
+                    req.finish_reason = "stop"
+                else:
+                    self.book.finish(req, "stop")
+        return [r for r in report if r.status == FINISHED or r.params.output_kind != "final_only"]
+
     def output(self, req: Request) -> RequestOutput:
         ids = req.output_token_ids
         new, req.num_reported = ids[req.num_reported:], len(ids)
-        finished = req.status == FINISHED
+        finished, delta = req.status == FINISHED, req.params.output_kind == "delta"
         assert finished or req.params.output_kind != "final_only", f"{req.request_id} asked for its final output only"
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
-        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens],
-                             new if req.params.output_kind == "delta" else ids, new, text, finished,
-                             req.finish_reason, request_metrics(req, len(ids)))
+        text = None
+        if self.tokenizer is not None:
+            detokenize(self.tokenizer, req, final=finished)
+            # vLLM: while it runs, the text's last characters could be the start of a stop string: held back
+            shown = req.text[:len(req.text) - (0 if finished else max(map(len, req.params.stop), default=1) - 1)]
+            text, req.text_reported = shown[req.text_reported:] if delta else shown, len(shown)
+        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens], new if delta else ids, new,
+                             text, finished, req.finish_reason, request_metrics(req, len(ids)))
 
     # -- around the steps: checking requests, sizing the cache, streaming, closing -----------------------
     def tokenize(self, prompt) -> list[int]:
@@ -688,10 +724,16 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r:.80} needs text, but model={self.cfg.model!r} has no tokenizer "
+                             "(tokenizer.json and the 'tokenizers' package); use stop_token_ids instead")
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most {limit - 1}")
+        need = len(ids) + params.max_tokens
+        if need > limit:  # as vLLM's server: refused, not cut short
+            raise ValueError(f"max_tokens={params.max_tokens} is invalid: the prompt has {len(ids)} tokens and "
+                             f"max_model_len={limit} leaves room for at most {limit - len(ids)}")
         capacity = self.book.blocks.num_blocks * self.cfg.block_size
-        need = min(len(ids) + params.max_tokens, limit)
         if need > capacity:
             raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_tokens "
                              f"{params.max_tokens}) but the whole cache holds {capacity}; lower max_tokens "
@@ -754,17 +796,25 @@ class Engine:
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Add one request and yield its outputs as they arrive (output_kind "delta" unless given), while
-        stepping the engine, whose other requests go on too."""
+        stepping the engine, whose other requests go on too: their outputs wait for the next step() (_outputs).
+        Closing the generator early (a break: a client gone) aborts the request, as vLLM does."""
         params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
                                                                   params.output_kind != "final_only" else "delta"))
-        rid = self.add_request(prompt, params)
-        step = self.step_async if self.cfg.async_scheduling else self.step
-        while True:
-            for o in step():
-                if o.request_id == rid:
+        req = self.book.requests[self.add_request(prompt, params)]
+        self.streamed.add(req)
+        step = self._step_async if self.cfg.async_scheduling else self._step
+        try:
+            while True:
+                for o in self._outputs(*step(), stream=req):
                     yield o
                     if o.finished:
                         return
+        finally:  # no one reads its outputs any more: none is kept
+            self.streamed.discard(req)
+            self.held = [r for r in self.held if r is not req]
+            if req.status != FINISHED and self.book is not None:
+                self.book.finish(req, "abort")
+                self.book.aborted.remove(req)
 
     def close(self):
         """Give the engine's memory back now (the runner's tensors, then torch's cache on CUDA). Using the
@@ -797,6 +847,21 @@ def request_metrics(req: Request, n: int) -> dict:
     return dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=first,
                 finished_time=done, ttft=None if first is None else first - req.arrival_time,
                 tpot=None if first is None or done is None or n < 2 else (done - first) / (n - 1))
+
+
+def detokenize(tokenizer, req: Request, final: bool = False) -> str:
+    """Append to req.text what its new tokens add, and return it. Decoded as vLLM does, incrementally: the tokens
+    decoded last are decoded again with the new ones, for context, and the new text is the difference. While it
+    ends in an incomplete UTF-8 sequence ("\ufffd": a character whose bytes span tokens) it is held back, unless
+    the request has ended."""
+    ids, start = req.output_token_ids, req.prefix_offset
+    before = tokenizer.decode(ids[start:req.read_offset], skip_special_tokens=True)
+    after = tokenizer.decode(ids[start:], skip_special_tokens=True)
+    if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        return ""
+    req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+    req.text += after[len(before):]
+    return after[len(before):]
 
 
 def load_tokenizer(folder: str | None):
