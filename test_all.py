@@ -3067,12 +3067,17 @@ def test_cli_generate_and_bench():
 
 
 def test_cli_generate_stream_prints_the_same_ids():
-    """generate --stream prints each token id as it reaches the host: the ids generate prints at the end."""
+    """generate --stream prints each token id as it reaches the host: the ids generate prints at the end; with
+    --json, one JSON line a token."""
     args = ("generate", "--prompt-ids", "5,6,7", "--max-tokens", "6", "--temperature", "0.8", "--seed", "3")
     streamed, whole = script(*args, "--stream"), cli(*args)  # once as a script, from the shell
     assert streamed.returncode == whole.returncode == 0, streamed.stderr + whole.stderr
     assert streamed.stdout.split() == whole.stdout.split() and len(whole.stdout.split()) == 6
     assert all(t.isdigit() for t in whole.stdout.split())
+    lines = [json.loads(line) for line in cli(*args, "--stream", "--json").stdout.splitlines()]  # one per token
+    assert [t for x in lines for t in x["token_ids"]] == list(map(int, whole.stdout.split()))
+    assert [(x["finished"], x["finish_reason"], x["text"]) for x in lines] == [(False, None, None)] * 5 + [
+        (True, "length", None)]
 
 
 def test_cli_online_reports_latency_percentiles():
