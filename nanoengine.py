@@ -5,8 +5,8 @@
     outs = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 
 The engine knows only token ids; a tokenizer (optional) turns text into ids at the edges. It imports
-kernels.py (Triton kernels and their torch references), scheduler.py (requests, blocks, batching, and the
-Batch type) and graphs.py (CUDA graphs per bucket). run.py is the command line.
+kernels.py (Triton kernels and their torch references: by path, see own_kernels), scheduler.py (requests,
+blocks, batching, and the Batch type) and graphs.py (CUDA graphs per bucket). run.py is the command line.
 
 Part 1 is the chapter: the model calls the Part 1 kernels by name, the runner turns each plan into a
 Batch of device tensors, and the engine plans step s+1 while step s runs (step_async). Part 2, at the end,
@@ -14,10 +14,12 @@ is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the ste
 The forward never reads a batch value back to the host, so a CUDA graph can hold it.
 """
 import gc
+import importlib.util
 import json
 import math
 import os
 import random
+import sys
 import time
 import typing
 from dataclasses import dataclass, fields, replace
@@ -30,10 +32,29 @@ import torch._dynamo  # noqa: F401 (imported first under the meta device, it wou
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from graphs import GraphRunner, default_buckets, default_token_buckets
 from scheduler import (FINISHED, PLACEHOLDER, SEED_RANGE, Batch, BlockManager, Request, RequestBook,
                        SamplingParams, Scheduler, SteadyBook, SteadyScheduler, cdiv, check_type, is_int, require)
+
+
+def own_kernels():
+    """kernels.py from this file's folder, whatever else is called `kernels` (transformers 5.x brings Hugging Face's
+    `kernels` package): the loaded module if it is this file, else this file loaded by path, under the name "kernels"
+    only where `import kernels` would find this file anyway, so another package's import never gets ours."""
+    path = os.path.realpath(os.path.join(os.path.dirname(__file__), "kernels.py"))
+    ours = lambda file: file is not None and os.path.realpath(file) == path  # noqa: E731
+    for name in ("kernels", "nanoengine_kernels"):
+        if ours(getattr(sys.modules.get(name), "__file__", None)):
+            return sys.modules[name]
+    found = importlib.util.find_spec("kernels") if "kernels" not in sys.modules else None
+    name = "kernels" if found is not None and ours(found.origin) else "nanoengine_kernels"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kernels = own_kernels()
 
 __all__ = ["LLM", "SamplingParams", "Engine", "EngineConfig", "ModelConfig", "RequestOutput"]
 
@@ -555,6 +576,8 @@ class Engine:
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
         self.readback = None  # async on CUDA: two pinned token buffers, alternating
         self._ids = 0
+        self.held: list[Request] = []  # requests with news for another caller than the last step's (_outputs)
+        self.streamed: set[Request] = set()  # the requests of open streams: their news goes to the stream
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; returns its id. Bad input raises ValueError (or TypeError, for
@@ -574,12 +597,20 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         self._check_open()
-        return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted)
+        return self.book.has_unfinished() or self.inflight is not None or bool(self.book.aborted) or \
+            any(r not in self.streamed for r in self.held)
 
     # -- a step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run, read the tokens back (one host sync), update. Returns an output for each request
-        that got a token (or finished) in this step, as its output_kind asks."""
+        that got a token (or finished) in this step, as its output_kind asks, or in a stream's steps (_outputs)."""
+        return self._outputs(*self._step())
+
+    def step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
+        return self._outputs(*self._step_async())
+
+    def _step(self) -> tuple:
         self._check_open()
         t0 = time.perf_counter()
         report = self._land() if self.inflight else []  # switching from async: land its step first
@@ -590,10 +621,9 @@ class Engine:
             tokens = tokens.cpu().numpy()
             self.stats.wait_s += time.perf_counter() - t1
             report += self.book.update(plan, tokens)
-        return self._outputs(plan, report, t0)
+        return plan, report, t0
 
-    def step_async(self) -> list[RequestOutput]:
-        """Schedule and launch step s+1, then read back step s's tokens while s+1 runs on the device."""
+    def _step_async(self) -> tuple:
         self._check_open()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -603,11 +633,16 @@ class Engine:
             launched = (self.book.append_placeholders(plan), *self._copy_to_host(tokens))
         report = self._land() if self.inflight else []
         self.inflight = launched
-        return self._outputs(plan, report, t0)
+        return plan, report, t0
 
-    def _outputs(self, plan, report: list[Request], t0: float) -> list[RequestOutput]:
-        outputs = [self.output(r) for r in report + self.book.aborted]
-        self.book.aborted = []
+    def _outputs(self, plan, report: list[Request], t0: float, stream: Request | None = None) -> list[RequestOutput]:
+        """The outputs for the caller: step()'s (every request not in a stream), or a stream's (its request). Each
+        request with news comes once, with all of it; news for another caller is held for its next call, so
+        no output is lost when a stream steps the engine for everyone."""
+        news = list(dict.fromkeys(self.held + self._check_stop_strings(report) + self.book.aborted))
+        mine = [r is stream if stream else r not in self.streamed for r in news]
+        self.held, self.book.aborted = [r for r, m in zip(news, mine) if not m], []
+        outputs = [self.output(r) for r, m in zip(news, mine) if m]
         st = self.stats
         st.steps += bool(plan.requests)
         st.tokens += plan.num_samples
@@ -634,15 +669,37 @@ class Engine:
         self.stats.wait_s += time.perf_counter() - t
         return self.book.fill(slots, host.numpy())
 
+    def _check_stop_strings(self, report: list[Request]) -> list[Request]:
+        """Finish each request whose text now holds one of its stop strings, as vLLM: the text ends before the
+        first, the token that completed it is the last (if that was its last allowed one, the reason is "stop"
+        still). Returns those of report that have an output to give."""
+        for req in report:
+            if not req.params.stop or req.finish_reason not in (None, "length"):
+                continue
+            # only where the new text reaches: any earlier match would have stopped it already
+            start = len(req.text) - len(detokenize(self.tokenizer, req)) - max(map(len, req.params.stop)) + 1
+            found = [i for i in (req.text.find(s, max(start, 0)) for s in req.params.stop) if i >= 0]
+            if found:
+                req.text = req.text[:min(found)]
+                if req.status == FINISHED:
+                    req.finish_reason = "stop"
+                else:
+                    self.book.finish(req, "stop")
+        return [r for r in report if r.status == FINISHED or r.params.output_kind != "final_only"]
+
     def output(self, req: Request) -> RequestOutput:
         ids = req.output_token_ids
         new, req.num_reported = ids[req.num_reported:], len(ids)
-        finished = req.status == FINISHED
+        finished, delta = req.status == FINISHED, req.params.output_kind == "delta"
         assert finished or req.params.output_kind != "final_only", f"{req.request_id} asked for its final output only"
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
-        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens],
-                             new if req.params.output_kind == "delta" else ids, new, text, finished,
-                             req.finish_reason, request_metrics(req, len(ids)))
+        text = None
+        if self.tokenizer is not None:
+            detokenize(self.tokenizer, req, final=finished)
+            # vLLM: while it runs, the text's last characters could be the start of a stop string: held back
+            shown = req.text[:len(req.text) - (0 if finished else max(map(len, req.params.stop), default=1) - 1)]
+            text, req.text_reported = shown[req.text_reported:] if delta else shown, len(shown)
+        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens], new if delta else ids, new,
+                             text, finished, req.finish_reason, request_metrics(req, len(ids)))
 
     # -- around the steps: checking requests, sizing the cache, streaming, closing -----------------------
     def tokenize(self, prompt) -> list[int]:
@@ -681,10 +738,16 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r:.80} needs text, but model={self.cfg.model!r} has no tokenizer "
+                             "(tokenizer.json and the 'tokenizers' package); use stop_token_ids instead")
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={limit} leaves room for at most {limit - 1}")
+        need = len(ids) + params.max_tokens
+        if need > limit:  # as vLLM's server: refused, not cut short
+            raise ValueError(f"max_tokens={params.max_tokens} is invalid: the prompt has {len(ids)} tokens and "
+                             f"max_model_len={limit} leaves room for at most {limit - len(ids)}")
         capacity = self.book.blocks.num_blocks * self.cfg.block_size
-        need = min(len(ids) + params.max_tokens, limit)
         if need > capacity:
             raise ValueError(f"request needs {need} tokens of KV cache (prompt {len(ids)} + max_tokens "
                              f"{params.max_tokens}) but the whole cache holds {capacity}; lower max_tokens "
@@ -747,17 +810,26 @@ class Engine:
 
     def stream(self, prompt, params: SamplingParams | None = None):
         """Add one request and yield its outputs as they arrive (output_kind "delta" unless given), while
-        stepping the engine, whose other requests go on too."""
+        stepping the engine, whose other requests go on too: their outputs wait for the next step() (_outputs).
+        Closing the generator early (a break: a client gone) aborts the request, as vLLM does."""
         params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
                                                                   params.output_kind != "final_only" else "delta"))
-        rid = self.add_request(prompt, params)
-        step = self.step_async if self.cfg.async_scheduling else self.step
-        while True:
-            for o in step():
-                if o.request_id == rid:
+        rid = self.add_request(prompt, params)  # first: it checks that the engine is open
+        req = self.book.requests[rid]
+        self.streamed.add(req)
+        step = self._step_async if self.cfg.async_scheduling else self._step
+        try:
+            while True:
+                for o in self._outputs(*step(), stream=req):
                     yield o
                     if o.finished:
                         return
+        finally:  # no one reads its outputs any more: none is kept
+            self.streamed.discard(req)
+            self.held = [r for r in self.held if r is not req]
+            if req.status != FINISHED and self.book is not None:
+                self.book.finish(req, "abort")
+                self.book.aborted.remove(req)
 
     def close(self):
         """Give the engine's memory back now (the runner's tensors, then torch's cache on CUDA). Using the
@@ -790,6 +862,21 @@ def request_metrics(req: Request, n: int) -> dict:
     return dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=first,
                 finished_time=done, ttft=None if first is None else first - req.arrival_time,
                 tpot=None if first is None or done is None or n < 2 else (done - first) / (n - 1))
+
+
+def detokenize(tokenizer, req: Request, final: bool = False) -> str:
+    """Append to req.text what its new tokens add, and return it. Decoded as vLLM does, incrementally: the tokens
+    decoded last are decoded again with the new ones, for context, and the new text is the difference. While it
+    ends in an incomplete UTF-8 sequence ("\ufffd": a character whose bytes span tokens) it is held back, unless
+    the request has ended."""
+    ids, start = req.output_token_ids, req.prefix_offset
+    before = tokenizer.decode(ids[start:req.read_offset], skip_special_tokens=True)
+    after = tokenizer.decode(ids[start:], skip_special_tokens=True)
+    if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        return ""
+    req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+    req.text += after[len(before):]
+    return after[len(before):]
 
 
 def load_tokenizer(folder: str | None):
@@ -947,6 +1034,18 @@ PRESETS = {
 }
 
 
+# config.json fields of the four architectures (transformers 4.x and 5.x) that do not change what the model computes
+# at inference: training settings, ids only the tokenizer uses, the checkpoint's storage dtype (EngineConfig.dtype
+# decides), pretraining_tp (a split of the same matmuls), and window sizes only use_sliding_window turns on. Every
+# other field of those configs is honoured by ModelConfig.from_hf, or refused where its value changes the math.
+INERT_FIELDS = ("initializer_range", "use_cache", "attention_dropout", "bos_token_id", "pad_token_id", "torch_dtype",
+                "dtype", "pretraining_tp", "output_router_logits", "router_aux_loss_coef", "sliding_window",
+                "max_window_layers", "model_type", "transformers_version")
+# Fields whose other values change the math in a way nanoengine does not run: {field: the values it runs (a list:
+# each entry)}. swish is SiLU (transformers' ACT2FN); a sliding window is a different attention.
+RUNS_ONLY = {"hidden_act": ("silu", "swish"), "mlp_bias": (False,), "use_sliding_window": (False,),
+             "layer_types": ("full_attention",)}
+
 # config.json fields that transformers 5.x writes under another name: {4.x name: 5.x name} (Qwen3-MoE's
 # attribute_map). 5.x also moved rope_theta and rope_scaling into one rope_parameters dict.
 V5_NAMES = {"num_experts": "num_local_experts"}
@@ -968,9 +1067,23 @@ def v4_names(cfg: dict) -> dict:
     return cfg
 
 
+def refuse_other_math(cfg: dict, where: str):
+    """A ValueError naming the field and its value where the config asks for math nanoengine does not run."""
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported; "
+                         "nanoengine loads unquantized float16/bfloat16/float32 weights only")
+    for key, runs in RUNS_ONLY.items():
+        value = cfg.get(key)
+        if value is not None and any(v not in runs for v in (value if isinstance(value, list) else [value])):
+            raise ValueError(f"{where}: {key}={value!r:.120} is not supported; nanoengine runs "
+                             f"{' or '.join(map(repr, runs))}" + (" in each entry" if isinstance(value, list) else ""))
+
+
 @dataclass
 class ModelConfig:
-    """The model's shape, read from a Hugging Face config.json (transformers 4.x or 5.x layout)."""
+    """The model's shape, read from a Hugging Face config.json (transformers 4.x or 5.x layout): every field of the
+    four architectures' configs is honoured, refused (refuse_other_math, rope types) or inert (INERT_FIELDS)."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -1010,12 +1123,7 @@ class ModelConfig:
                 raise ValueError(f"{where}: required field '{key}'{also} is missing")
             if not is_int(cfg[key]) or cfg[key] < 1:
                 raise ValueError(f"{where}: {key}={cfg[key]!r} is invalid: it must be an integer >= 1")
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not supported; "
-                             "nanoengine loads unquantized float16/bfloat16/float32 weights only")
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window=True is not supported; only full attention is")
+        refuse_other_math(cfg, where)
         scaling = cfg.get("rope_scaling") or None
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -1024,10 +1132,12 @@ class ModelConfig:
                                  "nanoengine supports 'default' and 'llama3'")
             scaling = None if kind == "default" else scaling
         heads, eos = cfg["num_attention_heads"], cfg.get("eos_token_id")
+        # absent: transformers' default, which for Qwen3 is 128, not hidden_size / heads
+        head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else cfg["hidden_size"] // heads)
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, intermediate_size=cfg["intermediate_size"],
+            head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta") or 10000.0),
             rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

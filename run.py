@@ -1,13 +1,13 @@
 """nanoengine's command line: the only entry point besides the Python API.
 
     python run.py overhead --requests 16          # the main job: the ladder, eager -> fused -> graphs -> async -> tuned
-    python run.py generate --prompt-ids 1,2,3 --max-tokens 16 [--stream]
+    python run.py generate --prompt-ids 1,2,3 --max-tokens 16 [--stream] [--json]
     python run.py bench                           # offline throughput, nano-vllm's protocol
     python run.py online --rate 16 --requests 200 # Poisson arrivals: TTFT, TPOT, ITL, end-to-end latency
 
 Results go to stdout as JSON lines (generate's text, unless --json), progress to stderr. Bad input prints one
 line naming the problem and exits with status 2. On the CPU the defaults are smaller where a command would take
-long, and each command's --help says how long it takes. Imports nanoengine (and kernels.py, for the launch costs)."""
+long, and each command's --help says how long it takes. Imports nanoengine (and its kernels, for the launch costs)."""
 import argparse
 import collections
 import json
@@ -21,8 +21,7 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-import kernels
-from nanoengine import PRESETS, TUNED, Engine, EngineConfig, SamplingParams, param_bytes
+from nanoengine import PRESETS, TUNED, Engine, EngineConfig, SamplingParams, kernels, param_bytes
 
 # The floors divide bytes by the device's bandwidth: --bandwidth, else measured by a copy of this many bytes
 # (past every cache: the H200's L2 is 60 MB), the best of COPY_REPEATS, well under a second.
@@ -418,16 +417,14 @@ def cmd_generate(a):
                             seed=a.seed, output_kind="delta" if a.stream else "final_only")
     # No progress lines: the command is short, and bad input (a model, a prompt) prints its one line alone
     engine = Engine(EngineConfig(**engine_settings(a)))
-    if a.stream:  # each token as it reaches the host: text (with a tokenizer) or ids
-        ids = []
+    if a.stream:  # each output as it reaches the host: its new text (with a tokenizer) or ids, or a JSON line
         for o in engine.stream(prompt, params):
-            if engine.tokenizer is None:
-                print(" ".join(map(str, o.new_token_ids)), end=" ", flush=True)
+            if a.json:
+                emit(dict(token_ids=o.new_token_ids, text=o.text, finished=o.finished, finish_reason=o.finish_reason))
             else:
-                text = engine.tokenizer.decode(ids, skip_special_tokens=True)
-                ids += o.new_token_ids
-                print(engine.tokenizer.decode(ids, skip_special_tokens=True)[len(text):], end="", flush=True)
-        print()
+                print(" ".join(map(str, o.new_token_ids)) + " " if o.text is None else o.text, end="", flush=True)
+        if not a.json:
+            print()
         return
     engine.add_request(prompt, params)
     outs = []
@@ -558,7 +555,8 @@ def make_parser() -> Parser:
     g.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens that hold this share "
                    "of the probability; 1 = all (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=-1, help="only the k likeliest tokens; -1 = all (default: %(default)s)")
-    g.add_argument("--json", action="store_true", help="one JSON line: ids, text, finish reason, TTFT (default: off)")
+    g.add_argument("--json", action="store_true", help="one JSON line: ids, text, finish reason, TTFT; with --stream, "
+                   "one a token: its ids and text, finished, finish reason (default: off)")
     g.add_argument("--stream", action="store_true", help="print each token as it reaches the host (default: off)")
     o = command("overhead", "decode a batch under each rung of the ladder: a JSON header line (the bandwidth floor "
                 "of a step), then one line per configuration (2-core CPU: ~1 min)", rows, floors)

@@ -12,11 +12,12 @@ to them after a step) and `Scheduler` (what runs next). Part 2 is the tuned host
 unchanged running set planned on arrays (`SteadyDecode`), so a step costs the same at 1 request or 256."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -30,17 +31,46 @@ SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler
 # only the new ones, or one output when it finishes (LLM.generate's choice).
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
+# vLLM's SamplingParams fields that nanoengine does not implement, each with its "off" value: given that value a
+# field is accepted and dropped, so vLLM code ports as it is; any other value is refused (takes_vllm_fields).
+VLLM_OFF = dict(n=1, best_of=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0,
+                min_tokens=0, logprobs=None, prompt_logprobs=None, detokenize=True, skip_special_tokens=True,
+                spaces_between_special_tokens=True, include_stop_str_in_output=False, logits_processors=None,
+                truncate_prompt_tokens=None, guided_decoding=None, structured_outputs=None, logit_bias=None,
+                allowed_token_ids=None, bad_words=None, extra_args=None)
 
 def cdiv(a, b):
     """ceil(a / b) for positive integers, or numpy arrays of them."""
     return -(-a // b)
 
 
+def takes_vllm_fields(cls):
+    """cls's __init__, wrapped: a VLLM_OFF field at its off value is dropped; at another value it is a ValueError,
+    and a name that is no field at all (a typo) a TypeError, each naming the fields cls has."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        names = [f.name for f in fields(cls)]
+        for name in kwargs.keys() - set(names):
+            has = f"{cls.__name__} has {', '.join(names)}"
+            if name not in VLLM_OFF:
+                raise TypeError(f"{name}={kwargs[name]!r:.80}: no such field; {has} (and vLLM's others, off)")
+            value, off = kwargs[name], VLLM_OFF[name]
+            if not (value is off or (off is not None and np.ndim(value) == 0 and value == off)):
+                raise ValueError(f"{name}={value!r:.80} is not supported: {has}; vLLM's other fields only at their "
+                                 f"off value ({name}={off!r})")
+        init(self, *args, **{k: v for k, v in kwargs.items() if k not in VLLM_OFF})
+    cls.__init__ = functools.update_wrapper(__init__, init)
+    return cls
+
+
+@takes_vllm_fields
 @dataclass
 class SamplingParams:
-    """How one request samples, as vLLM's SamplingParams (these fields only), checked when made (check_type, require).
-    "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the vocabulary (vLLM clamps it too); top_p 1.0.
-    Token ids >= the vocabulary (stop_token_ids) are refused by Engine.add_request, which knows the model."""
+    """How one request samples, as vLLM's SamplingParams, checked when made (check_type, require); vLLM's other
+    fields only at their off values (VLLM_OFF). "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the
+    vocabulary (vLLM clamps it too); top_p 1.0. Token ids >= the vocabulary (stop_token_ids), and stop strings on
+    a model without a tokenizer, are refused by Engine.add_request, which knows the model."""
     temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too. Finite: inf is refused, as in vLLM
     top_p: float = 1.0          # nucleus sampling: keep the fewest tokens whose mass reaches top_p; 1 keeps all
     top_k: int = -1             # keep the k most likely tokens; -1 or 0 keep all (vLLM: both mean off)
@@ -49,6 +79,7 @@ class SamplingParams:
     stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos); None: none
     ignore_eos: bool = False    # keep going past eos (benchmarks)
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
+    stop: tuple = ()            # strings that end the request once its text holds one (not in the text, as vLLM)
 
     def __post_init__(self):
         for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"),
@@ -56,6 +87,9 @@ class SamplingParams:
             check_type(name, getattr(self, name), kind)
         check_type("seed", self.seed, "int", optional=True)
         check_type("stop_token_ids", self.stop_token_ids, "ints", optional=True)
+        check_type("stop", self.stop, "strs", optional=True)
+        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        require(all(strings), "stop", self.stop, "a non-empty string, or a list of them")
         require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                 "a finite number >= 0 (0 means greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1 keeps all tokens)")
@@ -69,7 +103,7 @@ class SamplingParams:
         # numpy scalars become Python's: the scheduler and the runner read plain ints and floats
         self.temperature, self.top_p, self.top_k = float(self.temperature), float(self.top_p), int(self.top_k)
         self.max_tokens, self.ignore_eos, self.stop_token_ids = int(self.max_tokens), bool(self.ignore_eos), stop
-        self.seed = None if self.seed is None else int(self.seed)
+        self.seed, self.stop = None if self.seed is None else int(self.seed), strings
 
 
 @dataclass(eq=False)
@@ -89,6 +123,10 @@ class Request:
     max_len: int = 0                  # token count at which it stops for length: set by RequestBook.add
     last_step: int = -1               # the last step that scheduled it (preemption spares those)
     num_reported: int = 0             # output tokens already returned in outputs (for "delta")
+    text: str = ""                    # its output text so far, decoded incrementally (nanoengine.detokenize) ...
+    prefix_offset: int = 0            # ... output_token_ids[prefix_offset:read_offset] were decoded last
+    read_offset: int = 0
+    text_reported: int = 0            # characters of text already returned in outputs (for "delta")
     arrival_time: float = 0.0         # time.perf_counter(), as the three below (first token: on the host)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -106,6 +144,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def reports_each_token(self) -> bool:
+        """Its tokens are reported as they land: it streams them, or the engine checks its text for stop strings."""
+        return self.params.output_kind != "final_only" or bool(self.params.stop)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -277,7 +320,7 @@ class RequestBook:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.aborted: list[Request] = []  # finished by abort(), reported with the next step's outputs
+        self.aborted: list[Request] = []  # finished by finish() (abort, stop string), reported with the next outputs
         self._arrivals = itertools.count()
         self.on_release = lambda req: None  # told when a request gives its blocks back (the runner's rows)
 
@@ -323,7 +366,7 @@ class RequestBook:
                 req.first_token_time = now
             if token in req.stop_ids or i + 1 >= req.max_len:
                 ended.append((req, i, token))
-            elif req.params.output_kind != "final_only":
+            elif req.reports_each_token:
                 report.append(req)
         return report + self._finish_ended(ended)
 
@@ -342,7 +385,8 @@ class RequestBook:
         return finished
 
     def finish(self, req: Request, reason: str):
-        """End a request now (abort): its blocks go back once, and it is reported with the next outputs."""
+        """End a request now (abort, or a stop string the engine found): its blocks go back once, and it is
+        reported with the next outputs."""
         if req.status == RUNNING:
             self.running.remove(req)
         elif req.status == WAITING:
@@ -485,6 +529,8 @@ KINDS = {
     "str": (lambda x: isinstance(x, str), "a string"),
     "ints": (lambda x: isinstance(x, (list, tuple, set, frozenset, np.ndarray)) and all(map(is_int, x)),
              "a list of integers"),
+    "strs": (lambda x: isinstance(x, str) or isinstance(x, (list, tuple)) and all(isinstance(s, str) for s in x),
+             "a string or a list of strings"),
 }
 
 
@@ -685,10 +731,10 @@ class SteadyScheduler(Scheduler):
     def _general_plan(self) -> SchedulerOutput:
         self.book.drop_steady()
         plan = SteadyOutput(**vars(super()._plan()))
-        # Only requests that want just their final output (LLM.generate's): streamed ones need their tokens
-        # in token_ids every step, which is what the arrays avoid.
+        # Only requests that want just their final output (LLM.generate's): streamed ones, and those with stop
+        # strings, need their tokens in token_ids every step, which is what the arrays avoid.
         if plan.requests and plan.is_decode and len(plan.requests) == len(self.book.running) and all(
-                r.params.output_kind == "final_only" and r.first_token_time is not None for r in plan.requests):
+                not r.reports_each_token and r.first_token_time is not None for r in plan.requests):
             plan.steady = self.book.steady = SteadyDecode.of(plan, self.blocks.block_size)
         return plan
 

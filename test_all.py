@@ -10,6 +10,8 @@ named here fails test_the_index_names_every_test.
 
   The files
     imports run one way, no two files import each other . test_imports_run_one_way
+    nanoengine runs its own kernels.py beside another `kernels` (transformers 5.x's)
+        test_nanoengine_runs_its_own_kernels_beside_another_kernels_package
     this index names every test ........................ test_the_index_names_every_test
   kernels.py, Part 1: the chapter's kernels, each against its plain-torch reference
     each section runs alone: copy-paste proven .......... test_kernel_part1_sections_run_alone
@@ -59,6 +61,8 @@ named here fails test_the_index_names_every_test.
     unfused, textbook and tuned forwards equal the reference model; checkpoints; tokenizer; refused models
         test_greedy_matches_reference, test_safetensors_round_trip, test_string_prompts_with_a_tokenizer,
         test_bad_models_are_refused
+    every field of the four architectures' transformers configs: honoured, refused, or inert
+        test_every_config_field_is_honoured_refused_or_inert
     fusion costs no memory and records no autograd; the whole forward on Triton
         test_fused_equals_unfused_and_costs_no_memory, test_no_weight_requires_grad_and_the_step_records_nothing,
         test_triton_kernels_end_to_end_equal_unfused
@@ -71,6 +75,11 @@ named here fails test_the_index_names_every_test.
     per-token outputs (cumulative, delta, final_only), streaming, request metrics
         test_step_outputs_stream_every_token, test_engine_stream_yields_the_tokens_of_generate,
         test_request_metrics_are_ordered_and_present
+    a stream loses no other request's output; closing it aborts its request
+        test_a_stream_loses_no_output_of_the_other_requests, test_closing_a_stream_aborts_its_request
+    text: delta outputs carry only the new text (incremental detokenization); stop strings; vLLM's other fields
+        test_delta_text_is_only_the_new_text, test_stop_strings_end_the_request_before_them,
+        test_vllm_sampling_fields_port_at_their_off_values
     async scheduling: sync's tokens; max_tokens kept; inputs from the device; aborts come back once
         test_async_equals_sync_on_random_workloads, test_async_never_exceeds_max_tokens_and_drops_tokens_after_a_stop,
         test_async_placeholder_input_comes_from_the_device, test_aborted_requests_come_back_once
@@ -160,10 +169,9 @@ import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphs
-import kernels
 import nanoengine
 import scheduler
-from nanoengine import SamplingParams
+from nanoengine import SamplingParams, kernels  # the kernels.py nanoengine runs (nanoengine.own_kernels)
 from scheduler import PLACEHOLDER
 
 CUDA = torch.cuda.is_available()
@@ -735,6 +743,35 @@ def test_imports_run_one_way():
             assert name not in ours[other], f"{name}.py and {other}.py import each other"
     assert "scheduler" in ours["graphs"], "graphs.py takes Batch from scheduler.py, below it"
     assert not {"torch", "triton"} & _imports("scheduler"), "scheduler.py knows no torch"
+
+
+# A script that checks nanoengine runs its own kernels.py while `import kernels` gets another package's (Hugging
+# Face's, which transformers 5.x imports; here a stand-in), whichever of the two is imported first.
+OWN_KERNELS_SCRIPT = """
+import os, sys, torch
+{imports}
+assert kernels.CUDAProperties and sys.modules["kernels"] is kernels, "`import kernels` is the stand-in"
+assert os.path.samefile(nanoengine.kernels.__file__, {ours!r}), nanoengine.kernels.__file__
+[out] = nanoengine.LLM("tiny", device="cpu").generate([[1, 2, 3]], nanoengine.SamplingParams(max_tokens=2))
+x = torch.randn(3, 16)  # a Triton launch too (the interpreter)
+torch.testing.assert_close(nanoengine.kernels.silu_and_mul(x), nanoengine.kernels.silu_and_mul_ref(x))
+print(len(out.token_ids))
+"""
+
+
+def test_nanoengine_runs_its_own_kernels_beside_another_kernels_package(tmp_path):
+    """With a stand-in `kernels` package installed (first on the path): a script elsewhere that imports it before
+    nanoengine, and a script in this folder that imports nanoengine first after the README's line (the folder
+    moved to the end of sys.path), both get the stand-in from `import kernels`, and nanoengine its own kernels.py."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("class CUDAProperties:\n    pass\n")
+    elsewhere = ("import kernels\nimport nanoengine", tmp_path, f"{tmp_path}{os.pathsep}{HERE}")
+    in_folder = ("sys.path.append(sys.path.pop(0))\nimport nanoengine\nimport kernels", HERE, str(tmp_path))
+    for imports, cwd, path in (elsewhere, in_folder):  # python -c: sys.path[0] is the folder it runs in
+        script = OWN_KERNELS_SCRIPT.format(imports=imports, ours=kernels.__file__)
+        env = os.environ | {"PYTHONPATH": path, "TRITON_INTERPRET": "1"}
+        r = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.split() == ["2"], (imports, r.stderr[-2000:])
 
 
 def test_the_index_names_every_test():
@@ -1515,8 +1552,11 @@ def test_stops_on_eos_stop_ids_and_max_len(ckpt_dirs):
     p = mixed_prompts(1, cfg["vocab_size"], seed=5, lengths=(20,))[0]
     want = ref_greedy(sd, cfg, p, 8)
     engine = Engine(model=folder, max_model_len=len(p) + 4)
-    assert run(engine, [p], greedy(8))[0].token_ids == want[:4]  # model length reached
-    assert run(engine, [p], greedy(8))[0].finish_reason == "length"
+    o = run(engine, [p], greedy(4))[0]  # max_tokens fills max_model_len: the model length is reached
+    assert o.token_ids == want[:4] and o.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens=5 is invalid: the prompt has 20 tokens and max_model_len=24 "
+                                         "leaves room for at most 4"):  # refused, as vLLM's server does
+        engine.add_request(p, greedy(5))
     engine = Engine(model=folder)
     o = run(engine, [p], greedy(8, stop_token_ids=[want[2]]))[0]
     assert o.token_ids == want[:want.index(want[2]) + 1] and o.finish_reason == "stop"
@@ -1925,6 +1965,98 @@ def test_bad_models_are_refused(tmp_path, ckpt_dirs):
         Engine(model=save_checkpoint(tmp_path / "partial", cfg, {k: v for k, v in sd.items() if "layers.1." not in k}))
 
 
+# Every field of transformers' LlamaConfig, Qwen2Config, Qwen3Config and Qwen3MoeConfig (4.57.1 and 5.25.0), and
+# those every config.json carries: CONFIG_FIELDS has a row for each.
+HF_CONFIG_FIELDS = {
+    "llama": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+             "hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache pad_token_id bos_token_id "
+             "eos_token_id pretraining_tp tie_word_embeddings rope_theta rope_scaling rope_parameters attention_bias "
+             "attention_dropout mlp_bias head_dim",
+    "qwen2": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+             "hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache tie_word_embeddings "
+             "rope_theta rope_scaling rope_parameters use_sliding_window sliding_window max_window_layers layer_types "
+             "attention_dropout pad_token_id bos_token_id eos_token_id",
+    "qwen3": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+             "head_dim hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache tie_word_embeddings "
+             "rope_theta rope_scaling rope_parameters attention_bias use_sliding_window sliding_window "
+             "max_window_layers layer_types attention_dropout pad_token_id bos_token_id eos_token_id",
+    "qwen3_moe": "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+                 "hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache tie_word_embeddings "
+                 "rope_theta rope_scaling rope_parameters attention_bias use_sliding_window sliding_window "
+                 "attention_dropout decoder_sparse_step moe_intermediate_size num_experts_per_tok num_experts "
+                 "num_local_experts norm_topk_prob output_router_logits router_aux_loss_coef mlp_only_layers "
+                 "pad_token_id bos_token_id eos_token_id",
+    "every config.json": "architectures model_type torch_dtype dtype transformers_version quantization_config",
+}
+LLAMA3 = dict(rope_type="llama3", factor=2.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=128)
+# (field, the architecture's test checkpoint it is set in, a value that is accepted (None: absent), what that sets in
+# ModelConfig (None: nothing changes), a value that is refused or None, the refusal's message)
+CONFIG_FIELDS = [
+    ("vocab_size", "llama", 300, {"vocab_size": 300}, 0, "vocab_size=0 is invalid: it must be an integer >= 1"),
+    ("hidden_size", "llama", 128, {"hidden_size": 128}, 1.5, "hidden_size=1.5 is invalid"),
+    ("intermediate_size", "llama", 96, {"intermediate_size": 96}, -1, "intermediate_size=-1 is invalid"),
+    ("num_hidden_layers", "llama", 3, {"num_layers": 3}, None, "required field 'num_hidden_layers' is missing"),
+    ("num_attention_heads", "llama", 8, {"num_heads": 8}, 0, "num_attention_heads=0 is invalid"),
+    ("num_key_value_heads", "llama", 1, {"num_kv_heads": 1}, None, None),
+    ("head_dim", "llama", 32, {"head_dim": 32}, None, None),
+    ("head_dim", "qwen3", None, {"head_dim": 128}, None, None),  # Qwen3's default, not hidden_size / heads
+    ("hidden_act", "llama", "swish", None, "gelu", "hidden_act='gelu' is not supported; nanoengine runs 'silu' or "
+                                                   "'swish'"),
+    ("mlp_bias", "llama", False, None, True, "mlp_bias=True is not supported; nanoengine runs False"),
+    ("attention_bias", "llama", True, {"qkv_bias": True, "o_bias": True}, None, None),
+    ("max_position_embeddings", "llama", 4096, {"max_position_embeddings": 4096}, None, None),
+    ("rms_norm_eps", "llama", 1e-5, {"rms_norm_eps": 1e-5}, None, None),
+    ("eos_token_id", "llama", [3, 4], {"eos_token_ids": (3, 4)}, None, None),
+    ("tie_word_embeddings", "llama", True, {"tie_word_embeddings": True}, None, None),
+    ("rope_theta", "llama", 1e4, {"rope_theta": 1e4}, None, None),
+    ("rope_scaling", "qwen3", LLAMA3, {"rope_scaling": LLAMA3}, dict(rope_type="yarn", factor=4.0),
+     "rope_scaling type 'yarn' is not supported"),
+    ("rope_parameters", "qwen3", dict(rope_type="default", rope_theta=5e5), {"rope_theta": 5e5},
+     dict(rope_type="dynamic", factor=2.0, rope_theta=5e5), "rope_scaling type 'dynamic' is not supported"),
+    ("use_sliding_window", "qwen2", False, None, True, "use_sliding_window=True is not supported; nanoengine runs False"),
+    ("layer_types", "qwen2", ["full_attention"] * 2, None, ["full_attention", "sliding_attention"],
+     "layer_types=['full_attention', 'sliding_attention'] is not supported; nanoengine runs 'full_attention' in each"),
+    ("num_experts", "qwen3_moe", 16, {"num_experts": 16}, None,
+     "required field 'num_experts' (transformers 5.x: 'num_local_experts') is missing"),
+    ("num_local_experts", "qwen3_moe", 4, {"num_experts": 4}, None, "required field 'num_experts'"),
+    ("num_experts_per_tok", "qwen3_moe", 4, {"num_experts_per_tok": 4}, 0, "num_experts_per_tok=0 is invalid"),
+    ("moe_intermediate_size", "qwen3_moe", 64, {"moe_intermediate_size": 64}, None,
+     "required field 'moe_intermediate_size' is missing"),
+    ("norm_topk_prob", "qwen3_moe", False, {"norm_topk_prob": False}, None, None),
+    ("decoder_sparse_step", "qwen3_moe", 2, {"decoder_sparse_step": 2}, None, None),
+    ("mlp_only_layers", "qwen3_moe", [0, 2], {"mlp_only_layers": (0, 2)}, None, None),
+    ("architectures", "llama", ["LlamaForCausalLM"], None, ["MistralForCausalLM"],
+     "architectures=['MistralForCausalLM'] is not supported"),
+    ("quantization_config", "llama", None, None, dict(quant_method="gptq"),
+     "quantization_config (quant_method='gptq') is not supported"),
+] + [(name, arch, value, None, None, None) for name, arch, value in [  # inert: nothing changes
+    ("initializer_range", "llama", 0.5), ("use_cache", "llama", False), ("attention_dropout", "llama", 0.1),
+    ("bos_token_id", "llama", 7), ("pad_token_id", "llama", 0), ("pretraining_tp", "llama", 2),
+    ("torch_dtype", "llama", "bfloat16"), ("dtype", "llama", "float16"), ("model_type", "llama", "mistral"),
+    ("transformers_version", "llama", "5.25.0"), ("sliding_window", "qwen2", 8), ("max_window_layers", "qwen2", 1),
+    ("output_router_logits", "qwen3_moe", True), ("router_aux_loss_coef", "qwen3_moe", 0.5)]]
+V5_REPLACES = {"rope_parameters": ("rope_theta", "rope_scaling"), "num_local_experts": ("num_experts",)}
+
+
+def test_every_config_field_is_honoured_refused_or_inert(ckpt_dirs):
+    """Each field of the four architectures' transformers configs (HF_CONFIG_FIELDS) either sets what the model
+    computes (ModelConfig), or is refused at a value whose math nanoengine does not run, naming the field and the
+    value, or changes nothing (nanoengine.INERT_FIELDS, listed in the README): one row each (CONFIG_FIELDS)."""
+    assert set(" ".join(HF_CONFIG_FIELDS.values()).split()) == {row[0] for row in CONFIG_FIELDS}
+    assert set(nanoengine.INERT_FIELDS) == {f for f, _, _, sets, _, msg in CONFIG_FIELDS if sets is msg is None}
+    from_hf = nanoengine.ModelConfig.from_hf
+    for field, arch, value, sets, refused, msg in CONFIG_FIELDS:
+        base = {k: v for k, v in ckpt_dirs[arch][0].items() if k not in V5_REPLACES.get(field, ())}  # a 5.x file
+        cfg = lambda v: {k: x for k, x in (base | {field: v}).items() if x is not None}  # noqa: E731 (None: absent)
+        was, now = dataclasses.asdict(from_hf(ckpt_dirs[arch][0])), dataclasses.asdict(from_hf(cfg(value)))
+        changed = {k: v for k, v in now.items() if v != was[k]}
+        assert changed == (sets or {}), (field, changed)
+        if msg is not None:
+            with pytest.raises(ValueError, match=re.escape(f"config.json: {msg}")):
+                from_hf(cfg(refused))
+
+
 # -- Fusion -------------------------------------------------------------------------------------------
 
 
@@ -2222,6 +2354,155 @@ def test_engine_stream_yields_the_tokens_of_generate(use_async):
 
 
 @pytest.mark.parametrize("use_async", [False, True])
+def test_a_stream_loses_no_output_of_the_other_requests(use_async):
+    """A stream steps the engine for every request: what the others got meanwhile waits for the next step(), each
+    request once with all its news (has_unfinished() stays True until then); and what a step() called while a stream
+    is open gets for the stream's request waits for the stream. The first lines are the issue's example."""
+    want = tokens_of(LLM("tiny").generate([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [greedy(3), greedy(8), greedy(6)]))
+    with Engine(model="tiny", async_scheduling=use_async) as e:
+        a = e.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
+        streamed = list(e.stream([4, 5, 6], SamplingParams(temperature=0, max_tokens=8)))
+        rest = []
+        while e.has_unfinished():
+            rest += e.step()
+        assert [t for o in streamed for t in o.new_token_ids] == want[1]
+        [o] = rest  # cumulative: a's tokens so far, in one output that finishes it
+        assert (o.request_id, o.token_ids, o.new_token_ids, o.finished) == (a, want[0], want[0], True)
+        stream = e.stream([7, 8, 9], greedy(6, output_kind="delta"))
+        first = next(stream)
+        b = e.add_request([1, 2, 3], greedy(3, output_kind="delta"))
+        rest = []
+        while e.has_unfinished():  # runs the stream's request to its end too, keeping its outputs for the stream
+            rest += e.step()
+        assert {o.request_id for o in rest} == {b} and [t for o in rest for t in o.token_ids] == want[0]
+        later = list(stream)  # the stream's tokens since, in one output
+        assert first.new_token_ids + later[0].new_token_ids == want[2] and len(later) == 1 and later[0].finished
+        assert not e.has_unfinished() and e.step() == []
+        check_clean(e)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_closing_a_stream_aborts_its_request(use_async):
+    """A reader that stops early (a break, or close(): a client gone) aborts the stream's request, as vLLM does: its
+    blocks go back, no step computes it again, and no output of it reaches anyone (no step() returns it, none is
+    held); the other requests end as they would alone."""
+    want = tokens_of(LLM("tiny").generate([[1, 2, 3]], greedy(20)))
+    e = Engine(model="tiny", async_scheduling=use_async)
+    other = e.add_request([1, 2, 3], greedy(20))
+    planned = []
+    schedule = e.scheduler.schedule
+    e.scheduler.schedule = lambda: planned.append(out := schedule()) or out
+    for stop_reading in ("break", "close"):
+        if stop_reading == "break":
+            for o in e.stream([4, 5, 6], greedy(100, output_kind="delta")):
+                rid = o.request_id
+                break  # the loop's generator is closed as its last reference goes (CPython: at once)
+        else:
+            stream = e.stream([4, 5, 6], greedy(100, output_kind="delta"))
+            rid = [next(stream), next(stream)][0].request_id
+            stream.close()
+        req = next(r for out in planned for r in out.requests if r.request_id == rid)
+        assert req.status == "finished" and req.block_ids == [] and req.finish_reason == "abort"
+        steps_before = len(planned)
+        assert rid not in [o.request_id for o in e.step()], "an output no one reads any more"
+        assert not any(req in out.requests for out in planned[steps_before:]), "it ran after its stream closed"
+    streams = drive(e, use_async)
+    assert set(streams) == {other} and final_output(streams[other], "final_only").token_ids == want[0]
+    check_clean(e)
+
+
+# -- Text: incremental detokenization and stop strings, with a byte-level BPE tokenizer --------------
+
+TEXT = "né😀 ok"  # é is two byte tokens; 😀 (F0 9F 98 80) two BPE tokens of two bytes each
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """A checkpoint folder with a byte-level BPE tokenizer.json, as GPT-2's and Qwen's: ids 0-255 are the bytes
+    (in GPT-2's printable alphabet), and two merges make 😀 the tokens 256 and 257."""
+    tokenizers = pytest.importorskip("tokenizers")
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = iter(range(256, 512))
+    char = {b: chr(b if b in keep else next(shifted)) for b in range(256)}  # GPT-2's bytes_to_unicode
+    merges = [(char[0xF0], char[0x9F]), (char[0x98], char[0x80])]
+    vocab = {char[b]: b for b in range(256)} | {a + b: 256 + i for i, (a, b) in enumerate(merges)}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, merges))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    folder = save_checkpoint(tmp_path_factory.mktemp("text"), *random_hf_checkpoint("qwen3", vocab_size=258))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def scripted(monkeypatch, ids: list[int]):
+    """Each sampled token is the script's next id, then "x" (a fake sampler: the text is known in advance)."""
+    script = itertools.chain(ids, itertools.repeat(ord("x")))
+    monkeypatch.setattr(nanoengine, "sample", lambda logits, s, race: torch.full((len(logits),), next(script)))
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_delta_text_is_only_the_new_text(text_model, monkeypatch, use_async):
+    """output_kind "delta": each output's text is what its token adds, decoded incrementally as vLLM does, and the
+    texts join to the whole: a character whose bytes span tokens comes whole with the token that completes it, and
+    one cut off by the end comes as U+FFFD in the last output. "cumulative": the whole text so far."""
+    llm = LLM(text_model, async_scheduling=use_async)
+    ids = llm.engine.tokenizer.encode(TEXT).ids
+    assert len(ids) == 8 and ids[1:5] == [0xC3, 0xA9, 256, 257]
+    texts = {}
+    for kind in ("delta", "cumulative"):
+        scripted(monkeypatch, ids)
+        texts[kind] = [o.text for o in llm.engine.stream([1, 2], greedy(8, output_kind=kind))]
+    assert texts["delta"] == ["n", "", "é", "", "😀", " ", "o", "k"]
+    assert texts["cumulative"] == list(itertools.accumulate(texts["delta"]))
+    scripted(monkeypatch, ids)
+    assert [o.text for o in llm.engine.stream([1, 2], greedy(4))] == ["n", "", "é", "\ufffd"]  # 😀 cut in half
+    scripted(monkeypatch, ids)
+    assert llm.generate([[1, 2]], greedy(8))[0].text == TEXT
+    check_clean(llm.engine)
+
+
+# (stop strings, the tokens of TEXT the request keeps, its text): é spans two tokens; of two the first in the text
+# wins, whether it is completed first or by the same token
+STOP_CASES = [(["😀"], 5, "né"), (["k", " o"], 7, "né😀"), ("é", 3, "n"), ([" ok"], 8, "né😀"), (["😀", "é😀"], 5, "n")]
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_stop_strings_end_the_request_before_them(text_model, monkeypatch, use_async):
+    """SamplingParams(stop=...), as vLLM: the request ends once its text holds a stop string, with finish_reason
+    "stop", the text ending before the string and the token ids with the token that completed it; in every
+    output_kind, and through LLM.generate. Streamed text never shows the start of a stop string (the last
+    len(longest) - 1 characters wait): the deltas join to the final text."""
+    llm = LLM(text_model, async_scheduling=use_async)
+    engine, ids = llm.engine, llm.engine.tokenizer.encode(TEXT).ids
+    for stop, n, text in STOP_CASES:
+        for kind in OUTPUT_KINDS:
+            scripted(monkeypatch, ids)
+            rid = engine.add_request([1, 2], greedy(12, stop=stop, output_kind=kind))
+            outs = drive(engine, use_async)[rid]
+            final = final_output(outs, kind)
+            assert (final.token_ids, final.finish_reason) == (ids[:n], "stop"), (stop, kind)
+            shown = [o.text for o in outs]
+            assert ("".join(shown) if kind == "delta" else shown[-1]) == text, (stop, kind, shown)
+            assert kind == "delta" or all(text.startswith(t) for t in shown), (stop, kind, shown)
+        scripted(monkeypatch, ids)  # its last allowed token completes the stop string: "stop" still, as vLLM
+        [o] = llm.generate([[1, 2]], greedy(n, stop=stop))
+        assert (o.token_ids, o.text, o.finish_reason) == (ids[:n], text, "stop")
+    check_clean(engine)
+
+
+def test_vllm_sampling_fields_port_at_their_off_values():
+    """vLLM code ports as it is: each field of vLLM's SamplingParams that nanoengine lacks is accepted at its off
+    value (and changes nothing), and at any other value is a ValueError naming the fields nanoengine has."""
+    assert SamplingParams(temperature=0, **scheduler.VLLM_OFF) == SamplingParams(temperature=0)
+    assert SamplingParams(n=1, presence_penalty=0, skip_special_tokens=True, logprobs=None).max_tokens == 16
+    for name, off in scheduler.VLLM_OFF.items():
+        on = (not off) if isinstance(off, bool) else 3 if off is None else off + 1
+        with pytest.raises(ValueError, match=rf"^{name}={on!r} is not supported: SamplingParams has temperature, "
+                                             rf".*, stop; vLLM's other fields only at their off value \({name}="):
+            SamplingParams(**{name: on})
+
+
+@pytest.mark.parametrize("use_async", [False, True])
 def test_request_metrics_are_ordered_and_present(use_async):
     """Each request records when it arrived, was first scheduled, got its first token and finished; its final
     output carries them with TTFT (> 0) and TPOT (once it has two tokens). With 2 sequence slots the third
@@ -2394,6 +2675,11 @@ BAD_INPUT = [
      "prompt has 3000 tokens; max_model_len=2048"),
     ("more KV than the cache", lambda s: s.engine.add_request([1] * 30, SamplingParams(max_tokens=300)),
      ValueError, "the whole cache holds 256"),
+    ("max_tokens past max_model_len", lambda s: s.engine.add_request([1] * 30, SamplingParams(max_tokens=2019)),
+     ValueError, "max_tokens=2019 is invalid: the prompt has 30 tokens and max_model_len=2048 leaves room for at "
+     "most 2018"),
+    ("stop strings without a tokenizer", lambda s: s.engine.add_request([1], SamplingParams(stop="\n")), ValueError,
+     "stop=('\\n',) needs text, but model='tiny' has no tokenizer"),
     ("text without a tokenizer", lambda s: s.engine.add_request("hello"), ValueError, "no tokenizer"),
     ("float id", lambda s: s.engine.add_request([1, 2.0]), TypeError,
      "prompt[1]=2.0 has type float: token ids must be integers"),
@@ -2424,6 +2710,8 @@ BAD_INPUT = [
      ValueError, "prompts[2]: prompt token id 1000000 is outside the vocabulary"),
     ("generate: float ids", lambda s: s.llm.generate([1, 2.5]), TypeError, "prompts[0]: prompt[1]=2.5"),
     ("generate: prompts None", lambda s: s.llm.generate(None), TypeError, "prompts=None has type NoneType"),
+    ("generate: max_tokens past max_model_len", lambda s: s.llm.generate([[1, 2]], greedy(2047)), ValueError,
+     "prompts[0]: max_tokens=2047 is invalid: the prompt has 2 tokens and max_model_len=2048"),
     ("abort: a list of ids", lambda s: s.engine.abort(["good0"]), TypeError, "request_id=['good0'] has type list"),
     # SamplingParams (vLLM: a finite temperature, top_k -1 or 0 for off, integer ids)
     ("temperature inf", lambda s: SamplingParams(temperature=math.inf), ValueError,
@@ -2452,6 +2740,18 @@ BAD_INPUT = [
     ("output_kind unknown", lambda s: SamplingParams(output_kind="stream"), ValueError,
      "output_kind='stream' is invalid: it must be cumulative or delta or final_only"),
     ("output_kind an int", lambda s: SamplingParams(output_kind=1), TypeError, "output_kind=1 has type int"),
+    ("stop a list of ids", lambda s: SamplingParams(stop=[13]), TypeError,
+     "stop=[13] has type list: it must be a string or a list of strings or None"),
+    ("stop an empty string", lambda s: SamplingParams(stop=["", "x"]), ValueError,
+     "stop=['', 'x'] is invalid: it must be a non-empty string, or a list of them"),
+    ("a vLLM field nanoengine lacks", lambda s: SamplingParams(n=2), ValueError,
+     "n=2 is not supported: SamplingParams has temperature, top_p, top_k, max_tokens, seed, stop_token_ids, "
+     "ignore_eos, output_kind, stop; vLLM's other fields only at their off value (n=1)"),
+    ("logprobs", lambda s: SamplingParams(logprobs=5), ValueError, "logprobs=5 is not supported: SamplingParams has"),
+    ("presence_penalty", lambda s: SamplingParams(presence_penalty=0.5), ValueError,
+     "presence_penalty=0.5 is not supported"),
+    ("a misspelt field", lambda s: SamplingParams(temprature=0), TypeError,
+     "temprature=0: no such field; SamplingParams has temperature, top_p"),
     # LLM / Engine settings (EngineConfig)
     ("block_size 3", lambda s: EngineConfig(block_size=3), ValueError, "block_size=3 is invalid: it must be a power"),
     ("block_size a float", lambda s: EngineConfig(block_size=16.0), TypeError, "block_size=16.0 has type float"),
@@ -2793,12 +3093,17 @@ def test_cli_generate_and_bench():
 
 
 def test_cli_generate_stream_prints_the_same_ids():
-    """generate --stream prints each token id as it reaches the host: the ids generate prints at the end."""
+    """generate --stream prints each token id as it reaches the host: the ids generate prints at the end; with
+    --json, one JSON line a token."""
     args = ("generate", "--prompt-ids", "5,6,7", "--max-tokens", "6", "--temperature", "0.8", "--seed", "3")
     streamed, whole = script(*args, "--stream"), cli(*args)  # once as a script, from the shell
     assert streamed.returncode == whole.returncode == 0, streamed.stderr + whole.stderr
     assert streamed.stdout.split() == whole.stdout.split() and len(whole.stdout.split()) == 6
     assert all(t.isdigit() for t in whole.stdout.split())
+    lines = [json.loads(line) for line in cli(*args, "--stream", "--json").stdout.splitlines()]  # one per token
+    assert [t for x in lines for t in x["token_ids"]] == list(map(int, whole.stdout.split()))
+    assert [(x["finished"], x["finish_reason"], x["text"]) for x in lines] == [(False, None, None)] * 5 + [
+        (True, "length", None)]
 
 
 def test_cli_online_reports_latency_percentiles():
