@@ -1973,13 +1973,14 @@ def test_triton_kernels_end_to_end_equal_unfused(tmp_path, monkeypatch, tuned, r
     llm = LLM(model=folder, fuse=True, triton=True, tuned=tuned, triton_linear_rows=rows, triton_narrow_rows=narrow,
               **dev)
     ops = llm.engine.model.ops
-    assert ops.paged_attention is kernels.paged_attention and ops.rope_write_kv is kernels.rope_write_kv
+    assert ops.rope_write_kv is kernels.rope_write_kv
     if tuned:
-        assert ops.linear.func is kernels.linear
+        assert ops.paged_attention.func is kernels.prefill_attention and ops.linear.func is kernels.linear
         assert (ops.linear.keywords["max_rows"], ops.linear.keywords["narrow_rows"]) == (rows, narrow)
         assert ops.decode_attention.func is kernels.decode_attention and ops.fused_moe.func is kernels.fused_moe_tuned
     else:
         assert ops.linear is nanoengine.linear and ops.fused_moe is kernels.fused_moe and ops.decode_attention is None
+        assert ops.paged_attention is kernels.paged_attention
     launched, launch = [], kernels._launch_linear
     monkeypatch.setattr(kernels, "_launch_linear",
                         lambda x2, *a, **kw: launched.append(x2.shape[0]) or launch(x2, *a, **kw))
@@ -2880,10 +2881,11 @@ def test_engine_config_takes_tuned_names():
     assert r.returncode == 0, r.stderr
 
 
-# What each variant swaps into the textbook ops on a Triton device without PDL (the interpreter).
+# What each variant swaps into the textbook ops on a Triton device without PDL (the interpreter); steady is the
+# host path (SteadyBook, SteadyScheduler, SteadyInputBuilder), no op.
 SWAPS = {"gemv": {"linear", "add_rmsnorm_linear"}, "pdl": set(), "decode_attention": {"decode_attention",
-         "decode_context_bounds"}, "moe_decode": {"fused_moe"}, "moe_route": {"moe_route"}, "sampler": {"race_sample"},
-         "steady": set()}  # steady: the host path (SteadyBook, SteadyScheduler, SteadyInputBuilder), no op
+         "decode_context_bounds"}, "prefill_attention": {"paged_attention"}, "moe_decode": {"fused_moe"},
+         "moe_route": {"moe_route"}, "sampler": {"race_sample"}, "steady": set()}
 
 
 @pytest.mark.parametrize("variant", list(nanoengine.TUNED))
