@@ -2788,21 +2788,25 @@ def test_cli_generate_stream_prints_the_same_ids():
 
 
 def test_cli_online_reports_latency_percentiles():
-    """run.py online at a tiny size on the CPU: one JSON line with TTFT / TPOT / ITL / end-to-end latency at
-    p50 <= p90 <= p99, throughput, step times by kind, and no compile count (the interpreter compiles nothing)."""
-    r = cli("online", "--requests", "6", "--rate", "50", "--output-len", "4", "--min-prompt", "8",
+    """run.py online at a tiny size on the CPU, at two rates on one engine: a JSON line each, with TTFT / TPOT /
+    ITL / end-to-end latency at p50 <= p90 <= p99, throughput, step times by kind, no compile count (the
+    interpreter compiles nothing), and the join step, measured once, in both."""
+    r = cli("online", "--requests", "6", "--rate", "50,80", "--output-len", "4", "--min-prompt", "8",
             "--max-prompt", "16", "--join-prompt-len", "32")
     assert r.returncode == 0, r.stderr
-    [line] = r.stdout.splitlines()
-    rec = json.loads(line)
-    assert rec["requests"] == 6 and rec["device"] == "cpu" and rec["output_tokens_each"] == 4
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "decode_step_ms", "prompt_step_ms"):
-        p = rec[name]
-        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, p)
-    assert rec["ttft_ms"]["p50"] <= rec["e2e_ms"]["p50"]
-    assert rec["output_tok_s"] > 0 and rec["total_tok_s"] > rec["output_tok_s"]
-    assert rec["decode_step_ms"]["n"] > 0 and rec["prompt_step_ms"]["n"] > 0
-    assert rec["compiles_during_run"] is None and rec["join_step_ms"]["median"] > 0
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [rec["rate"] for rec in records] == [50.0, 80.0]
+    assert records[0]["join_step_ms"] == records[1]["join_step_ms"] and r.stderr.count("three times") == 1
+    for rec in records:
+        assert rec["requests"] == 6 and rec["device"] == "cpu" and rec["output_tokens_each"] == 4
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "decode_step_ms", "prompt_step_ms"):
+            p = rec[name]
+            assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, p)
+        assert rec["ttft_ms"]["p50"] <= rec["e2e_ms"]["p50"]
+        assert rec["output_tok_s"] > 0 and rec["total_tok_s"] > rec["output_tok_s"]
+        assert rec["offered_output_tok_s"] == rec["rate"] * 4
+        assert rec["decode_step_ms"]["n"] > 0 and rec["prompt_step_ms"]["n"] > 0
+        assert rec["compiles_during_run"] is None and rec["join_step_ms"]["median"] > 0
     assert "online: warm-up" in r.stderr and not [x for x in r.stderr.splitlines() if is_json(x)]
 
 
@@ -2819,6 +2823,7 @@ def test_cli_online_reports_latency_percentiles():
     (["generate", "--prompt-ids", "1", "--temperature", "inf"], "temperature=inf is invalid"),
     (["bench", "--min-len", "50", "--max-len", "10"], "--min-len 50 is more than --max-len 10"),
     (["online", "--rate", "0"], "--rate 0.0 is invalid"),
+    (["online", "--rate", "16,x"], "--rate '16,x' is invalid"),
     (["online", "--min-prompt", "50", "--max-prompt", "10"], "--min-prompt 50 is more than --max-prompt 10"),
     (["online", "--cudagraph-mode", "piecewise"], "cudagraph_mode='piecewise' is invalid"),
     (["generate", "--model", "{truncated}", "--prompt-ids", "1"], "model.safetensors is not a readable safetensors"),
