@@ -717,8 +717,9 @@ PREFILL_BLOCK_M = 128  # prefill attention: query rows a unit (tokens x heads), 
 PREFILL_BLOCK_N = 64  # ... keys a tile: K and V tiles of 16 KB each at D = 128 in bf16
 PREFILL_WARPS = 8  # ... warps a program (4 below 64 rows)
 PREFILL_STAGES = 5  # ... pipeline depth: the block-table gather takes a stage, K and V the next two
-PREFILL_PROGRAMS_PER_SM = 2  # ... programs an SM, each taking units of work until none is left
-PREFILL_MAX_SPLITS = 8  # ... key splits a query tile may take (each keeps a float32 partial to merge)
+PREFILL_PROGRAMS_PER_SM = 1  # ... programs an SM (132 KB of shared memory each), taking units until none is left
+PREFILL_SPLIT_UNITS_PER_SM = 4  # ... split long rows while a batch's query tiles make fewer units than this an SM
+PREFILL_MAX_SPLITS = 8  # ... into this many at most (each keeps a float32 partial to merge)
 PREFILL_MIN_SPLIT_TILES = 2  # ... key tiles a split covers at least
 PREFILL_MAX_SEQS = 512  # ... requests a step, scanned as one vector by every program; more: paged_attention
 
@@ -1694,16 +1695,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group_pad = triton.next_power_of_2(h // hkv)
     # A decode batch has one token a request; else full tiles, so a load run compiles no new tiles mid-run.
     block_q = 1 if max_query_len == 1 else max(1, PREFILL_BLOCK_M // group_pad)
-    block_m, programs = max(16, block_q * group_pad), PREFILL_PROGRAMS_PER_SM * _sm_count(q.device)
-    # Split while T tokens, in as few query tiles as they can make, would leave programs without a unit.
-    splits = max(1, min(PREFILL_MAX_SPLITS, programs // (triton.cdiv(t, block_q) * hkv)))
+    block_m, sms = max(16, block_q * group_pad), _sm_count(q.device)
+    # Split while T tokens, in as few query tiles as they can make, would give the SMs few units to balance.
+    splits = max(1, min(PREFILL_MAX_SPLITS, PREFILL_SPLIT_UNITS_PER_SM * sms // (triton.cdiv(t, block_q) * hkv)))
     if 2 + (t // block_q + b) * splits * hkv > MAX_TICKETS:  # a bound on the split tiles' tickets
         splits = 1
     part_out = part_ml = out  # never read unless split
     if splits > 1:
         part_out = torch.empty((splits, t, h, d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((splits, t, h, 2), dtype=torch.float32, device=q.device)
-    _prefill_attention_kernel[(min(programs, (t // block_q + b) * splits * hkv),)](
+    _prefill_attention_kernel[(min(PREFILL_PROGRAMS_PER_SM * sms, (t // block_q + b) * splits * hkv),)](
         q, k_cache, v_cache, out, part_out, part_ml, _tickets(q.device), query_start_loc, seq_lens, block_table, b,
         splits, max(1, PREFILL_MIN_SPLIT_TILES), t * h, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * 1.4426950408889634, NUM_KV_HEADS=hkv,
