@@ -1,6 +1,6 @@
 """Triton kernels for nanoengine, each beside a plain-torch reference.
 
-Map (Part 1 is the chapter; Part 2 the decode-speed variants the tuned path swaps in):
+Map (Part 1 is the chapter; Part 2 the speed variants the tuned path swaps in):
 
 | kernel               | what it does in one launch                                        | called by (nanoengine.py) |
 |----------------------|-------------------------------------------------------------------|---------------------------|
@@ -17,11 +17,12 @@ Map (Part 1 is the chapter; Part 2 the decode-speed variants the tuned path swap
 | 2.4 fused_moe_decode | fused_moe for a few tokens as two GEMVs                           | MoE (tuned_ops)           |
 | 2.5 moe_route        | softmax, top-k, renormalise                                       | MoE (tuned_ops)           |
 | 2.6 race_sample      | sampling in one pass over the logits                              | sample (tuned_ops)        |
+| 2.7 prefill_attention| paged_attention at FlashAttention-2 speed for prompt steps        | Attention (tuned_ops)     |
 
 Every kernel is three pieces with the same arguments: `_name_kernel` (the Triton program), `name()` (the
 launcher: checks inputs, picks block sizes from host-side sizes only, launches) and `name_ref()` (plain
 torch: the CPU path of the engine, and what the tests compare against; 2.2's are linear_ref and
-add_rmsnorm_linear_ref, and 2.1 changes no result). Rules every launcher keeps:
+add_rmsnorm_linear_ref, 2.7's paged_attention_ref, and 2.1 changes no result). Rules every launcher keeps:
   * no host sync (no .item(), .tolist(), nonzero, bincount; no grid from device values), so a CUDA graph
     can capture the launch and replay it with new batch contents;
   * loads are upcast to float32 before any arithmetic, results cast back once, at the store;
@@ -365,15 +366,8 @@ def _paged_attention_kernel(
              mask=row_ok[:, None])
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                    max_query_len: int) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged context -> out [T, H, D].
-
-    Request b owns tokens query_start_loc[b]:query_start_loc[b + 1] of q, at positions seq_lens[b] - q_len
-    .. seq_lens[b] - 1; every token of q belongs to a request. The grid depends on T, B, Hkv and whether
-    max_query_len (a host-side bound) is 1, never on the lengths themselves: a graph can replay it."""
-    t, h, d = q.shape
+def _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table) -> None:
+    _, h, d = q.shape
     b, hkv, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     if k_cache.dim() != 4 or k_cache.shape[3] != d or v_cache.stride() != k_cache.stride() or h % hkv:
         raise ValueError(f"expected q [T, H, D] and caches [blocks, block_size, Hkv, D] with Hkv dividing H, "
@@ -384,6 +378,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if query_start_loc.shape != (b + 1,) or block_table.shape[0] != b or block_table.stride(-1) != 1:
         raise ValueError(f"expected query_start_loc [{b + 1}] and block_table [{b}, max_blocks], got "
                          f"{tuple(query_start_loc.shape)} and {tuple(block_table.shape)}")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+                    max_query_len: int) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context -> out [T, H, D].
+
+    Request b owns tokens query_start_loc[b]:query_start_loc[b + 1] of q, at positions seq_lens[b] - q_len
+    .. seq_lens[b] - 1; every token of q belongs to a request. The grid depends on T, B, Hkv and whether
+    max_query_len (a host-side bound) is 1, never on the lengths themselves: a graph can replay it."""
+    _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
+    t, h, d = q.shape
+    b, hkv, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0 or b == 0:
         return out
@@ -700,12 +707,14 @@ def race_sample_ref(logits, temperature, seeds, counters, greedy: bool = False) 
 
 
 # ==========================================================================================================
-# Part 2: decode-speed variants
+# Part 2: speed variants
 # ==========================================================================================================
 # The tuned path (EngineConfig(tuned=...), nanoengine.tuned_ops) swaps these in for Part 1's kernels or
-# torch ops where a decode step runs. Each says what it replaces and when; BENCHMARKS.md shows what it buys.
+# torch ops where a decode step (2.7: a prompt step) runs. Each says what it replaces and when; BENCHMARKS.md
+# shows what it buys.
 
-# Tuning constants: each is the best of an H200 sweep or the edge where a variant stops paying.
+# Tuning constants: each is the best of an H200 sweep or the edge where a variant stops paying (PREFILL_*:
+# first picks, before attn_bench.py's sweep on the GPU).
 LINEAR_MAX_M = 256  # linear takes at most this many rows; more go to cuBLAS (F.linear)
 LINEAR_NARROW_N = 4096  # ... a weight of at most this many rows ("narrow": cuBLAS splits K there) may take more
 LINEAR_TILE_BYTES = 16384  # weight bytes a program loads per K step: 2 programs an SM keep 4.3 TB/s in flight
@@ -723,6 +732,15 @@ MOE_DECODE_MAX_TOKENS = 4  # fused_moe_decode up to this many tokens: past it, t
 MOE_DECODE_GATE_UP_BLOCKS = (8, 128, 8)  # its gate_up tiles (BLOCK_N, BLOCK_K, warps) on 16-bit weights
 RACE_CHUNK = 8192  # race_sample: vocabulary ids per program (152K ids: 19 programs a row)
 MAX_TICKETS = 1 << 16  # _last_to_finish counters: groups of programs that merge in-kernel, at most
+PREFILL_BLOCK_M = 128  # prefill attention: query rows a unit (tokens x heads), two warpgroups' 64-row MMAs
+PREFILL_BLOCK_N = 64  # ... keys a tile: K and V tiles of 16 KB each at D = 128 in bf16
+PREFILL_WARPS = 8  # ... warps a program (4 below 64 rows)
+PREFILL_STAGES = 5  # ... pipeline depth: the block-table gather takes a stage, K and V the next two
+PREFILL_PROGRAMS_PER_SM = 1  # ... programs an SM (132 KB of shared memory each), taking units until none is left
+PREFILL_SPLIT_UNITS_PER_SM = 4  # ... split long rows while a batch's query tiles make fewer units than this an SM
+PREFILL_MAX_SPLITS = 8  # ... into this many at most (each keeps a float32 partial to merge)
+PREFILL_MIN_SPLIT_TILES = 2  # ... key tiles a split covers at least
+PREFILL_MAX_SEQS = 512  # ... requests a step, scanned as one vector by every program; more: paged_attention
 
 
 # -- 2.1 pdl: programmatic dependent launch (Hopper and later) ------------------------------------------
@@ -1498,3 +1516,189 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
             _tickets(logits.device), tokens, vocab, logits.stride(0), NUM_CHUNKS=chunks, CHUNK=RACE_CHUNK, BLOCK_V=1024,
             CHUNKS_PAD=triton.next_power_of_2(chunks), GREEDY=greedy, num_warps=4, **_launch_options(pdl))
     return tokens
+
+
+# -- 2.7 prefill_attention: paged_attention at FlashAttention-2 speed, for prompt steps (needs 1.4, 2.1, 2.3) --
+# The same arguments and result as 1.4, for any step (prompt chunks and decodes mixed), without what slows 1.4:
+# - a mask on every key tile: here the tiles wholly below a query tile's diagonal take a loop with no mask, the
+#   one or two it cuts a masked one, and the tiles above it are never loaded;
+# - a long prompt's last query tile walking every key alone: here a long row's keys split over up to num_splits
+#   units whose partials the last to finish merges in the same launch, as 2.3 does (not a second kernel: one
+#   more launch, and a wait for it, in every layer);
+# - a program for each request row, and a prompt graph has max_num_seqs + 1 rows, mostly padding: here a few
+#   programs an SM take units (query tile x split x kv head) from a shared counter until none is left, so a
+#   padding row costs one element of a vector, and no SM idles while another has units to run.
+@triton.jit
+def _attend_tiles(q, m, l, acc, q_pos, tile_lo, tile_hi, kv_end, block_row, k_head_ptr, v_head_ptr, stride_cache_block,
+                  stride_cache_tok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online softmax of q [BLOCK_M, D] carried over key tiles tile_lo .. tile_hi - 1 of one kv head (k_head_ptr,
+    v_head_ptr: the caches offset to it) -> (m, l, acc).
+    MASKED: row r sees the keys up to q_pos[r], and keys from kv_end on load as 0 (0 * NaN would be NaN);
+    else every row sees every key, and each load is a plain one that the pipeline issues stages ahead."""
+    dims = tl.arange(0, HEAD_DIM)
+    for tile in range(tile_lo, tile_hi):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok, zero = (keys < kv_end, 0) if MASKED else (None, None)  # tl.load takes no fill without a mask
+        block = tl.load(block_row + keys // BLOCK_SIZE, mask=key_ok, other=zero).to(tl.int64)  # [BLOCK_N]
+        kv = (block * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_tok)[:, None] + dims[None, :]
+        kv_ok = key_ok[:, None] if MASKED else None
+        k = tl.load(k_head_ptr + kv, mask=kv_ok, other=zero)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head_ptr + kv, mask=kv_ok, other=zero)  # [BLOCK_N, D]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _splits_of(seq_len, num_splits, min_split_tiles, BLOCK_N: tl.constexpr):
+    """Splits a query tile with this context may take: at most num_splits, of min_split_tiles key tiles at least."""
+    return tl.maximum(tl.minimum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), min_split_tiles), num_splits), 1)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_split_tiles", "rows_per_split", "stride_bt"])
+def _prefill_attention_kernel(
+    q_ptr,  # [T, H, D] strided view: this step's queries (prompt chunks and decodes alike)
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] each, with the same strides
+    out_ptr,  # [T, H, D] contiguous
+    part_out_ptr,  # [num_splits, T, H, D] float32 unnormalised partials (SPLIT only)
+    part_ml_ptr,  # [num_splits, T, H, 2] float32 their running max and sum (SPLIT only)
+    tickets_ptr,  # int32 zeros (_tickets): [0] the next unit, [1] programs done, then each tile's splits done
+    query_start_loc_ptr,  # [B + 1] int32: request b's tokens are [qsl[b], qsl[b + 1])
+    seq_lens_ptr,  # [B] context length including this step's tokens; 0: a padding request
+    block_table_ptr,  # [B, max_blocks] int32: request b's KV blocks, in order
+    num_seqs,  # B, at most BLOCK_B
+    num_splits,  # splits a query tile may take, at most
+    min_split_tiles,  # key tiles a split covers at least
+    rows_per_split,  # T * H: the rows of out, and of each split's partials
+    stride_qt, stride_qh,  # q's strides: tokens, heads
+    stride_cache_block, stride_cache_tok, stride_cache_head,
+    stride_bt,  # elements between two rows of the block table
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,  # Hkv, and query heads per kv head
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,  # GROUP rounded up to a power of two; D
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    BLOCK_Q: tl.constexpr,  # query tokens a unit
+    BLOCK_M: tl.constexpr,  # query rows a unit: BLOCK_Q tokens x GROUP_PAD heads (>= 16 for tl.dot)
+    BLOCK_N: tl.constexpr,  # keys a tile
+    BLOCK_B: tl.constexpr,  # requests scanned as one vector (PREFILL_MAX_SEQS)
+    SPLIT: tl.constexpr,  # num_splits > 1
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # see _wait_for_inputs
+):
+    _wait_for_inputs(PDL)
+    # Request b's items are its query tiles x its splits, numbered after request b - 1's; a unit is an item and
+    # a kv head. Every program counts them alike from the lengths, in one vector of the batch's requests.
+    reqs = tl.arange(0, BLOCK_B)
+    in_batch = reqs < num_seqs
+    q_lens = (tl.load(query_start_loc_ptr + reqs + 1, mask=in_batch, other=0)
+              - tl.load(query_start_loc_ptr + reqs, mask=in_batch, other=0))
+    req_splits = _splits_of(tl.load(seq_lens_ptr + reqs, mask=in_batch, other=0).to(tl.int32), num_splits,
+                            min_split_tiles, BLOCK_N) if SPLIT else 1
+    ends = tl.cumsum(tl.cdiv(q_lens, BLOCK_Q) * req_splits, axis=0)  # [BLOCK_B] one past each request's last item
+    num_units = tl.max(ends, axis=0) * NUM_KV_HEADS
+    unit = tl.atomic_add(tickets_ptr, 1, sem="relaxed")
+    while unit < num_units:
+        next_unit = tl.atomic_add(tickets_ptr, 1, sem="relaxed")  # fetched now: its round trip hides behind this unit
+        item, kv_head = unit // NUM_KV_HEADS, unit % NUM_KV_HEADS
+        before = ends <= item  # the requests wholly before this item
+        req = tl.sum(before.to(tl.int32), axis=0)
+        local = item - tl.max(tl.where(before, ends, 0), axis=0)  # the item among its request's
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+        splits = _splits_of(seq_len, num_splits, min_split_tiles, BLOCK_N) if SPLIT else 1
+        q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - local // splits  # the last tile first: its rows see the most keys
+        split = local % splits
+        # Token j of the chunk sits at position seq_len - q_len + j. Every row sees the keys up to the tile's first
+        # position (no mask), the diagonal's tiles up to kv_end (masked); a padding request (seq_len 0) sees none.
+        first_pos = seq_len - q_len + q_tile * BLOCK_Q
+        kv_end = tl.maximum(first_pos + tl.minimum(q_len - q_tile * BLOCK_Q, BLOCK_Q), 0)
+        num_tiles = tl.cdiv(kv_end, BLOCK_N)
+        full_tiles = tl.maximum(first_pos + 1, 0) // BLOCK_N
+        # A request's splits all cover as many key tiles: a tile near the prompt's start uses fewer of them.
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), splits), 1)
+        splits_used = tl.maximum(tl.cdiv(num_tiles, per_split), 1)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+        if split < splits_used:
+            rows = tl.arange(0, BLOCK_M)
+            q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] each row's token among the request's new ones
+            head = kv_head * GROUP + rows % GROUP_PAD
+            row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+            token = (q_start + q_idx).to(tl.int64)
+            dims = tl.arange(0, HEAD_DIM)
+            q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                        mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+            m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # running max: finite, so exp2(m - m_new) is never NaN
+            l = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            block_row = block_table_ptr + req.to(tl.int64) * stride_bt
+            q_pos = first_pos + rows // GROUP_PAD
+            k_head, v_head = k_cache_ptr + kv_head * stride_cache_head, v_cache_ptr + kv_head * stride_cache_head
+            m, l, acc = _attend_tiles(q, m, l, acc, q_pos, tile_lo, tl.minimum(tile_hi, full_tiles), kv_end, block_row,
+                                      k_head, v_head, stride_cache_block, stride_cache_tok, qk_scale, HEAD_DIM,
+                                      BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+            m, l, acc = _attend_tiles(q, m, l, acc, q_pos, tl.maximum(tile_lo, full_tiles), tile_hi, kv_end, block_row,
+                                      k_head, v_head, stride_cache_block, stride_cache_tok, qk_scale, HEAD_DIM,
+                                      BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+            row = token * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M] (token, head) row of out
+            done = splits_used == 1
+            if SPLIT:
+                if splits_used > 1:  # publish this split's partial; the tile's last split to finish merges them
+                    _store_partial(m, l, acc, split, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
+                    done = _last_to_finish(tickets_ptr + 2 + (item - split) * NUM_KV_HEADS + kv_head, splits_used)
+                    if done:
+                        m, l, acc = _merge_splits(0, splits_used, 1, row, row_ok, rows_per_split, part_out_ptr,
+                                                  part_ml_ptr, BLOCK_M, HEAD_DIM)
+            if done:
+                out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that saw no key stays 0
+                tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None])
+        unit = next_unit
+    if _last_to_finish(tickets_ptr + 1, tl.num_programs(0)):
+        tl.atomic_xchg(tickets_ptr, 0)  # every program has taken its last unit: the next launch counts from 0
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, max_query_len: int,
+                      pdl: bool = False) -> torch.Tensor:
+    """paged_attention (1.4), the same arguments and result -> out [T, H, D], in units of PREFILL_BLOCK_M query
+    rows. The grid (PREFILL_PROGRAMS_PER_SM programs an SM) and the splits depend on T, B, Hkv and max_query_len,
+    never on the lengths: a graph can replay it. Past PREFILL_MAX_SEQS requests, paged_attention runs instead."""
+    _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
+    t, h, d = q.shape
+    b, hkv, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    if b > PREFILL_MAX_SEQS:
+        return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, max_query_len)
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0 or b == 0:
+        return out
+    group_pad = triton.next_power_of_2(h // hkv)
+    # A decode batch has one token a request; else full tiles, so a load run compiles no new tiles mid-run.
+    block_q = 1 if max_query_len == 1 else max(1, PREFILL_BLOCK_M // group_pad)
+    block_m, sms = max(16, block_q * group_pad), _sm_count(q.device)
+    # Split while T tokens, in as few query tiles as they can make, would give the SMs few units to balance.
+    splits = max(1, min(PREFILL_MAX_SPLITS, PREFILL_SPLIT_UNITS_PER_SM * sms // (triton.cdiv(t, block_q) * hkv)))
+    if 2 + (t // block_q + b) * splits * hkv > MAX_TICKETS:  # a bound on the split tiles' tickets
+        splits = 1
+    part_out = part_ml = out  # never read unless split
+    if splits > 1:
+        part_out = torch.empty((splits, t, h, d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((splits, t, h, 2), dtype=torch.float32, device=q.device)
+    _prefill_attention_kernel[(min(PREFILL_PROGRAMS_PER_SM * sms, (t // block_q + b) * splits * hkv),)](
+        q, k_cache, v_cache, out, part_out, part_ml, _tickets(q.device), query_start_loc, seq_lens, block_table, b,
+        splits, max(1, PREFILL_MIN_SPLIT_TILES), t * h, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E, NUM_KV_HEADS=hkv,
+        GROUP=h // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=PREFILL_BLOCK_N, BLOCK_B=PREFILL_MAX_SEQS, SPLIT=splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=PREFILL_WARPS if block_m >= 64 else 4, num_stages=PREFILL_STAGES, **_launch_options(pdl))
+    return out

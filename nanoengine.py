@@ -1365,6 +1365,7 @@ TUNED = {
     "gemv": "kernels.linear for decode-sized matmuls, add_rmsnorm in its prologue, silu_and_mul in its epilogue",
     "pdl": "programmatic dependent launch for every Triton kernel (Hopper)",
     "decode_attention": "kernels.decode_attention: RoPE + KV write inside, split-KV, packed kv heads",
+    "prefill_attention": "kernels.prefill_attention for paged_attention: prompt steps at FlashAttention-2 speed",
     "moe_decode": "kernels.fused_moe_decode up to 4 tokens",
     "moe_route": "kernels.moe_route instead of torch's five routing ops",
     "sampler": "kernels.race_sample instead of the torch race",
@@ -1413,6 +1414,8 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
         ops.decode_attention = pick("decode_attention")
         if triton:
             ops.decode_context_bounds = kernels.decode_context_bounds
+    if "prefill_attention" in v and triton:  # without Triton, paged_attention_ref stays: the same math
+        ops.paged_attention = partial(kernels.prefill_attention, pdl=pdl)
     if "moe_decode" in v:
         ops.fused_moe = partial(kernels.fused_moe_tuned, pdl=pdl) if triton else kernels.fused_moe_ref
     if "moe_route" in v:

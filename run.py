@@ -3,13 +3,14 @@
     python run.py overhead --requests 16          # the main job: the ladder, eager -> fused -> graphs -> async -> tuned
     python run.py generate --prompt-ids 1,2,3 --max-tokens 16 [--stream] [--json]
     python run.py bench                           # offline throughput, nano-vllm's protocol
-    python run.py online --rate 16 --requests 200 # Poisson arrivals: TTFT, TPOT, ITL, end-to-end latency
+    python run.py online --rate 16,64,128         # Poisson arrivals: TTFT, TPOT, ITL, end-to-end latency
 
 Results go to stdout as JSON lines (generate's text, unless --json), progress to stderr. Bad input prints one
 line naming the problem and exits with status 2. On the CPU the defaults are smaller where a command would take
 long, and each command's --help says how long it takes. Imports nanoengine (and its kernels, for the launch costs)."""
 import argparse
 import collections
+import itertools
 import json
 import math
 import os
@@ -304,19 +305,39 @@ def cmd_online(a):
     fill_defaults(a, ("requests", "min_prompt", "max_prompt", "output_len", "join_prompt_len"))
     if a.min_prompt > a.max_prompt:
         raise ValueError(f"--min-prompt {a.min_prompt} is more than --max-prompt {a.max_prompt}")
-    if not (a.burst or a.rate > 0):
-        raise ValueError(f"--rate {a.rate} is invalid: give requests per second > 0, or --burst")
+    rates = [None] if a.burst else online_rates(a.rate)
     engine = make_engine("online", engine_settings(a, async_scheduling=not a.sync))
     rng, vocab = random.Random(a.seed), engine.model.config.vocab_size
-    arrival, load = 0.0, []
-    for _ in range(a.requests):  # Poisson arrivals: exponential gaps at `rate` a second (all at 0 with --burst)
-        arrival += 0.0 if a.burst else rng.expovariate(a.rate)
-        load.append((arrival, [rng.randrange(vocab) for _ in range(rng.randint(a.min_prompt, a.max_prompt))]))
+    loads = []
+    for rate in rates:  # Poisson arrivals: exponential gaps at `rate` a second (all at 0 with --burst)
+        arrivals = itertools.accumulate(0.0 if rate is None else rng.expovariate(rate) for _ in range(a.requests))
+        loads.append([(s, [rng.randrange(vocab) for _ in range(rng.randint(a.min_prompt, a.max_prompt))])
+                      for s in arrivals])
     note(f"online: a step with one {a.join_prompt_len}-token prompt joining 16 decodes, three times ...")
     join = [join_step(engine, a.join_prompt_len, rng) for _ in range(3)]
     note("online: warm-up, 8 requests like the load's ...")
-    drive(engine, [(0.0, p) for _, p in load[:8]], a.output_len)
-    note(f"online: {a.requests} requests, {'all at once' if a.burst else f'{a.rate} a second'} ...")
+    drive(engine, [(0.0, p) for _, p in loads[0][:8]], a.output_len)
+    for rate, load in zip(rates, loads):
+        note(f"online: {a.requests} requests, {'all at once' if rate is None else f'{rate:g} a second'} ...")
+        emit(online_record(engine, a, rate, load) | dict(
+            join_step_ms=dict(prompt_tokens=a.join_prompt_len, decodes=16, first=join[0], median=sorted(join)[1])))
+    engine.close()
+
+
+def online_rates(text: str) -> list[float]:
+    """--rate: requests a second, one number or several comma-separated."""
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--rate {text!r} is invalid: give requests per second, comma-separated for several") from None
+    bad = [r for r in rates if not r > 0]  # NaN too
+    if bad:
+        raise ValueError(f"--rate {bad[0]} is invalid: give requests per second > 0, or --burst")
+    return rates
+
+
+def online_record(engine: Engine, a, rate: float | None, load: list) -> dict:
+    """One load run: what its users waited for, and the steps' times."""
     compiles = CompileCounter(engine.cuda)
     engine.stats.reset()
     engine.stats.timing = True
@@ -324,24 +345,22 @@ def cmd_online(a):
     compiles.stop()
     times, out_tokens = r["times"], sum(len(t) for _, t in r["times"])
     steps = engine.stats.step_seconds()  # waits for the last step's end event, once
+    engine.stats.timing = False
     decode_steps, prompt_steps = [s for s, prompt in steps if not prompt], [s for s, prompt in steps if prompt]
-    emit(dict(model=a.model, device=torch.cuda.get_device_name() if engine.cuda else "cpu", requests=a.requests,
-              rate=None if a.burst else a.rate, burst=a.burst, prompt_tokens=f"uniform {a.min_prompt}-{a.max_prompt}",
-              output_tokens_each=a.output_len, tuned=",".join(sorted(engine.cfg.tuned)),
-              graphs=None if engine.runner.graphs is None else engine.cfg.cudagraph_mode,
-              duration_s=round(r["wall"], 2), output_tok_s=round(out_tokens / r["wall"], 1),
-              total_tok_s=round((out_tokens + sum(len(p) for _, p in load)) / r["wall"], 1),
-              offered_output_tok_s=None if a.burst else round(a.rate * a.output_len, 1),
-              ttft_ms=percentiles([t[0] - s for s, t in times]),
-              tpot_ms=percentiles([(t[-1] - t[0]) / (len(t) - 1) for _, t in times if len(t) > 1]),
-              itl_ms=percentiles([b - x for _, t in times for x, b in zip(t, t[1:])]),
-              e2e_ms=percentiles([t[-1] - s for s, t in times]),
-              decode_step_ms=dict(percentiles(decode_steps), n=len(decode_steps)),
-              prompt_step_ms=dict(percentiles(prompt_steps), n=len(prompt_steps)),
-              step_timing="gpu events" if engine.cuda else "host wall",
-              join_step_ms=dict(prompt_tokens=a.join_prompt_len, decodes=16, first=join[0], median=sorted(join)[1]),
-              compiles_during_run=compiles.count))
-    engine.close()
+    return dict(model=a.model, device=torch.cuda.get_device_name() if engine.cuda else "cpu", requests=a.requests,
+                rate=rate, burst=a.burst, prompt_tokens=f"uniform {a.min_prompt}-{a.max_prompt}",
+                output_tokens_each=a.output_len, tuned=",".join(sorted(engine.cfg.tuned)),
+                graphs=None if engine.runner.graphs is None else engine.cfg.cudagraph_mode,
+                duration_s=round(r["wall"], 2), output_tok_s=round(out_tokens / r["wall"], 1),
+                total_tok_s=round((out_tokens + sum(len(p) for _, p in load)) / r["wall"], 1),
+                offered_output_tok_s=None if rate is None else round(rate * a.output_len, 1),
+                ttft_ms=percentiles([t[0] - s for s, t in times]),
+                tpot_ms=percentiles([(t[-1] - t[0]) / (len(t) - 1) for _, t in times if len(t) > 1]),
+                itl_ms=percentiles([b - x for _, t in times for x, b in zip(t, t[1:])]),
+                e2e_ms=percentiles([t[-1] - s for s, t in times]),
+                decode_step_ms=dict(percentiles(decode_steps), n=len(decode_steps)),
+                prompt_step_ms=dict(percentiles(prompt_steps), n=len(prompt_steps)),
+                step_timing="gpu events" if engine.cuda else "host wall", compiles_during_run=compiles.count)
 
 
 def drive(engine: Engine, load: list, output_len: int) -> dict:
@@ -578,7 +597,8 @@ def make_parser() -> Parser:
                    help="tokens per step: prompts go in a few large chunks (default: %(default)s, nano-vllm's)")
     n = command("online", "requests arriving over time (Poisson, or --burst): TTFT, TPOT, ITL and end-to-end latency "
                 "at p50/p90/p99, step times by kind, compiles during the run (2-core CPU: ~1 min)", eager, load)
-    n.add_argument("--rate", type=float, default=16.0, help="requests a second, Poisson (default: %(default)s)")
+    n.add_argument("--rate", default="16", help="requests a second, Poisson; several, comma-separated (16,64,128): "
+                   "one run and one JSON line each, on one engine (default: %(default)s)")
     n.add_argument("--burst", action="store_true", help="every request at once (default: off, Poisson)")
     n.add_argument("--requests", type=positive, help=by_device("requests", "requests in the run"))
     n.add_argument("--min-prompt", type=positive, help=by_device("min_prompt", "fewest prompt tokens (uniform)"))

@@ -128,6 +128,15 @@ named here fails test_the_index_names_every_test.
     2.5 moe_route ....................................... test_kernel_moe_route, test_kernel_gpu_moe_route_bf16
     2.6 race_sample ..................................... test_race_sample_kernel_equals_reference,
         test_race_sample_greedy_path, test_kernel_gpu_race_sample
+    2.7 prefill_attention: prompts, chunks on a prefix, decodes and padding beside them, every GQA ratio, long
+        rows split and merged in-kernel, a graph's sizes, a CUDA graph replayed; bf16 at Qwen3-0.6B shapes
+        test_kernel_prefill_attention_prompts_alone, test_kernel_prefill_attention_chunk_on_a_cached_prefix,
+        test_kernel_prefill_attention_mixed_with_decodes_and_padding,
+        test_kernel_prefill_attention_every_gqa_ratio_of_the_presets,
+        test_kernel_prefill_attention_splits_long_rows_and_merges_them,
+        test_kernel_prefill_attention_grid_depends_on_sizes_only,
+        test_kernel_prefill_attention_past_max_seqs_runs_paged_attention, test_kernel_gpu_prefill_attention_bf16,
+        test_kernel_gpu_prefill_attention_graph_replays
     the steady decode (host path): the general path's plans and batches, rows built once
         test_steady_decode_plans_and_stages_what_the_general_path_does,
         test_seq_lens_are_int64_on_both_paths_and_the_counters_on_the_fast_path,
@@ -1325,6 +1334,8 @@ def test_kernel_gpu_no_host_sync():
         kernels.paged_attention(q_att, *tensors, d**-0.5, 1)
         kernels.paged_attention(q_pre, *tensors_pre, d**-0.5, 20)
         kernels.paged_attention_ref(q_pre, *tensors_pre, d**-0.5, 20)
+        kernels.prefill_attention(q_att, *tensors, d**-0.5, 1)
+        kernels.prefill_attention(q_pre, *tensors_pre, d**-0.5, 20)
         # Part 2
         kernels.moe_route(x[:, :128].contiguous(), 8, True)
         kernels.fused_moe_decode(x[:2], gate_up, down, weights[:2], ids[:2])
@@ -2111,13 +2122,14 @@ def test_triton_kernels_end_to_end_equal_unfused(tmp_path, monkeypatch, tuned, r
     llm = LLM(model=folder, fuse=True, triton=True, tuned=tuned, triton_linear_rows=rows, triton_narrow_rows=narrow,
               **dev)
     ops = llm.engine.model.ops
-    assert ops.paged_attention is kernels.paged_attention and ops.rope_write_kv is kernels.rope_write_kv
+    assert ops.rope_write_kv is kernels.rope_write_kv
     if tuned:
-        assert ops.linear.func is kernels.linear
+        assert ops.paged_attention.func is kernels.prefill_attention and ops.linear.func is kernels.linear
         assert (ops.linear.keywords["max_rows"], ops.linear.keywords["narrow_rows"]) == (rows, narrow)
         assert ops.decode_attention.func is kernels.decode_attention and ops.fused_moe.func is kernels.fused_moe_tuned
     else:
         assert ops.linear is nanoengine.linear and ops.fused_moe is kernels.fused_moe and ops.decode_attention is None
+        assert ops.paged_attention is kernels.paged_attention
     launched, launch = [], kernels._launch_linear
     monkeypatch.setattr(kernels, "_launch_linear",
                         lambda x2, *a, **kw: launched.append(x2.shape[0]) or launch(x2, *a, **kw))
@@ -3107,21 +3119,25 @@ def test_cli_generate_stream_prints_the_same_ids():
 
 
 def test_cli_online_reports_latency_percentiles():
-    """run.py online at a tiny size on the CPU: one JSON line with TTFT / TPOT / ITL / end-to-end latency at
-    p50 <= p90 <= p99, throughput, step times by kind, and no compile count (the interpreter compiles nothing)."""
-    r = cli("online", "--requests", "6", "--rate", "50", "--output-len", "4", "--min-prompt", "8",
+    """run.py online at a tiny size on the CPU, at two rates on one engine: a JSON line each, with TTFT / TPOT /
+    ITL / end-to-end latency at p50 <= p90 <= p99, throughput, step times by kind, no compile count (the
+    interpreter compiles nothing), and the join step, measured once, in both."""
+    r = cli("online", "--requests", "6", "--rate", "50,80", "--output-len", "4", "--min-prompt", "8",
             "--max-prompt", "16", "--join-prompt-len", "32")
     assert r.returncode == 0, r.stderr
-    [line] = r.stdout.splitlines()
-    rec = json.loads(line)
-    assert rec["requests"] == 6 and rec["device"] == "cpu" and rec["output_tokens_each"] == 4
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "decode_step_ms", "prompt_step_ms"):
-        p = rec[name]
-        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, p)
-    assert rec["ttft_ms"]["p50"] <= rec["e2e_ms"]["p50"]
-    assert rec["output_tok_s"] > 0 and rec["total_tok_s"] > rec["output_tok_s"]
-    assert rec["decode_step_ms"]["n"] > 0 and rec["prompt_step_ms"]["n"] > 0
-    assert rec["compiles_during_run"] is None and rec["join_step_ms"]["median"] > 0
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [rec["rate"] for rec in records] == [50.0, 80.0]
+    assert records[0]["join_step_ms"] == records[1]["join_step_ms"] and r.stderr.count("three times") == 1
+    for rec in records:
+        assert rec["requests"] == 6 and rec["device"] == "cpu" and rec["output_tokens_each"] == 4
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "decode_step_ms", "prompt_step_ms"):
+            p = rec[name]
+            assert 0 < p["p50"] <= p["p90"] <= p["p99"], (name, p)
+        assert rec["ttft_ms"]["p50"] <= rec["e2e_ms"]["p50"]
+        assert rec["output_tok_s"] > 0 and rec["total_tok_s"] > rec["output_tok_s"]
+        assert rec["offered_output_tok_s"] == rec["rate"] * 4
+        assert rec["decode_step_ms"]["n"] > 0 and rec["prompt_step_ms"]["n"] > 0
+        assert rec["compiles_during_run"] is None and rec["join_step_ms"]["median"] > 0
     assert "online: warm-up" in r.stderr and not [x for x in r.stderr.splitlines() if is_json(x)]
 
 
@@ -3138,6 +3154,7 @@ def test_cli_online_reports_latency_percentiles():
     (["generate", "--prompt-ids", "1", "--temperature", "inf"], "temperature=inf is invalid"),
     (["bench", "--min-len", "50", "--max-len", "10"], "--min-len 50 is more than --max-len 10"),
     (["online", "--rate", "0"], "--rate 0.0 is invalid"),
+    (["online", "--rate", "16,x"], "--rate '16,x' is invalid"),
     (["online", "--min-prompt", "50", "--max-prompt", "10"], "--min-prompt 50 is more than --max-prompt 10"),
     (["online", "--cudagraph-mode", "piecewise"], "cudagraph_mode='piecewise' is invalid"),
     (["generate", "--model", "{truncated}", "--prompt-ids", "1"], "model.safetensors is not a readable safetensors"),
@@ -3200,10 +3217,11 @@ def test_engine_config_takes_tuned_names():
     assert r.returncode == 0, r.stderr
 
 
-# What each variant swaps into the textbook ops on a Triton device without PDL (the interpreter).
+# What each variant swaps into the textbook ops on a Triton device without PDL (the interpreter); steady is the
+# host path (SteadyBook, SteadyScheduler, SteadyInputBuilder), no op.
 SWAPS = {"gemv": {"linear", "add_rmsnorm_linear"}, "pdl": set(), "decode_attention": {"decode_attention",
-         "decode_context_bounds"}, "moe_decode": {"fused_moe"}, "moe_route": {"moe_route"}, "sampler": {"race_sample"},
-         "steady": set()}  # steady: the host path (SteadyBook, SteadyScheduler, SteadyInputBuilder), no op
+         "decode_context_bounds"}, "prefill_attention": {"paged_attention"}, "moe_decode": {"fused_moe"},
+         "moe_route": {"moe_route"}, "sampler": {"race_sample"}, "steady": set()}
 
 
 @pytest.mark.parametrize("variant", list(nanoengine.TUNED))
@@ -3285,6 +3303,13 @@ def decode_attention(b, hkv, **kw):  # the CPU counts as 1 SM: past 4 programs, 
                              sl, sl - 1, sl, ints(b, 2).int(), torch.zeros(64, 64), 0.1, z(64), z(64), pdl=True, **kw)
 
 
+def prefill_attention(units_per_sm):  # the CPU counts as 1 SM: many units an SM split the 2 query tiles
+    kernels.PREFILL_SPLIT_UNITS_PER_SM = units_per_sm
+    qsl = torch.tensor([0, 64, 70], dtype=torch.int32)
+    kernels.prefill_attention(z(70, 4, 64), z(9, 16, 2, 64), z(9, 16, 2, 64), qsl, ints(2), ints(2, 4).int(), 0.1, 64,
+                              pdl=True)
+
+
 CASES = {
     "add_rmsnorm": lambda: kernels.add_rmsnorm(z(4, 256), z(4, 256), z(256), 1e-6),
     "silu_and_mul": lambda: kernels.silu_and_mul(z(4, 512)),
@@ -3304,6 +3329,8 @@ CASES = {
     "decode_attention_split": lambda: decode_attention(5, 1, num_splits=4),
     "decode_attention_rope_inside": lambda: decode_attention(2, 2, num_splits=1),
     "decode_attention_rope_inside_split": lambda: decode_attention(1, 1, num_splits=4),
+    "prefill_attention": lambda: prefill_attention(1),
+    "prefill_attention_split": lambda: prefill_attention(64),
     "fused_moe_decode": lambda: kernels.fused_moe_decode(z(2, 128), z(8, 256, 128), z(8, 128, 128), z(2, 2),
                                                          ints(2, 2), pdl=True),
     "moe_route": lambda: kernels.moe_route(z(3, 8), 2, True, pdl=True),
@@ -3326,9 +3353,10 @@ def h200_ptx():
 
 
 PART1_CASES = ["add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", "fused_moe"]  # plain launches
-PTX_CASES = PART1_CASES + ["linear", "linear_dot", "add_rmsnorm_linear", "decode_attention", "decode_attention_packed", "decode_attention_split",
-             "decode_attention_rope_inside", "decode_attention_rope_inside_split", "fused_moe_decode", "moe_route",
-             "race_sample"]
+PTX_CASES = PART1_CASES + ["linear", "linear_dot", "add_rmsnorm_linear", "decode_attention", "decode_attention_packed",
+                           "decode_attention_split", "decode_attention_rope_inside",
+                           "decode_attention_rope_inside_split", "prefill_attention", "prefill_attention_split",
+                           "fused_moe_decode", "moe_route", "race_sample"]
 
 
 @pytest.mark.parametrize("case", PTX_CASES)
@@ -3364,6 +3392,8 @@ def test_kernels_compile_for_sm90_and_wait_before_any_load(h200_ptx, case):
     if case.startswith("decode_attention"):  # the launch took the path the case names
         c = compiled["_decode_attention_kernel"]["constexprs"]
         assert (c["PACK_SHIFT"] > 0, c["SPLIT"], c["ROPE"]) == ("packed" in case, "split" in case, "rope" in case), c
+    if case.startswith("prefill_attention"):
+        assert compiled["_prefill_attention_kernel"]["constexprs"]["SPLIT"] == ("split" in case)
 
 
 def _part1_kernels() -> set[str]:
@@ -4206,6 +4236,145 @@ def test_kernel_gpu_race_sample():
     half = logits.to(BF16)
     tokens = kernels.race_sample(half, temperature, seeds, counters)
     assert torch.equal(tokens, kernels.race_sample(half.float(), temperature, seeds, counters))
+
+
+# -- 2.7 prefill_attention: paged_attention in units of work, the diagonal masked alone, long rows split ---
+
+
+def _check_prefill_attention(monkeypatch, q_lens, seq_lens, h=4, hkv=2, d=16, page=4, max_blocks=None, seed=80,
+                             programs=2, split_units=0, min_split_tiles=None) -> torch.Tensor:
+    """prefill_attention against paged_attention_ref, float32 on NaN-guarded caches (_attention_case), kernels'
+    torch.empty poisoned: an output left unwritten, or a partial read before it was written, shows as NaN. Tiles
+    of 16 query rows and 16 keys, so that short rows cross several; `programs` (the interpreter counts one SM),
+    and splits up to split_units / (the fewest query tiles x Hkv). Every ticket must be back at 0."""
+    monkeypatch.setattr(kernels, "PREFILL_BLOCK_M", 16)
+    monkeypatch.setattr(kernels, "PREFILL_BLOCK_N", 16)
+    monkeypatch.setattr(kernels, "PREFILL_PROGRAMS_PER_SM", programs)
+    monkeypatch.setattr(kernels, "PREFILL_SPLIT_UNITS_PER_SM", split_units)
+    if min_split_tiles is not None:
+        monkeypatch.setattr(kernels, "PREFILL_MIN_SPLIT_TILES", min_split_tiles)
+    _poison_empty(monkeypatch)
+    max_blocks = max_blocks or max(1, -(-max(seq_lens) // page))
+    q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed)
+    out = kernels.prefill_attention(q, *tensors, d**-0.5, max(q_lens))
+    ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **ATTN_TOL)
+    assert kernels._tickets(DEVICE).count_nonzero() == 0, "the counter, the programs done and each merge's ticket"
+    qsl = tensors[2].tolist()
+    for r, seq_len in enumerate(seq_lens):
+        if not seq_len:
+            assert not out[qsl[r]:qsl[r + 1]].any(), "a padding request attends to nothing"
+    return out
+
+
+def test_kernel_prefill_attention_prompts_alone(monkeypatch):
+    """Prompts from their first token: each query tile's diagonal (8 tokens x 2 heads a tile, 16 keys) masked,
+    the tiles before it not; one prompt, then two of odd lengths (no multiple of any tile) in one batch."""
+    _check_prefill_attention(monkeypatch, [37], [37])
+    _check_prefill_attention(monkeypatch, [21, 34], [21, 34], seed=81)
+
+
+def test_kernel_prefill_attention_chunk_on_a_cached_prefix(monkeypatch):
+    """Chunks on top of cached contexts (seq_len - q_len keys before the chunk): every row sees the whole
+    prefix unmasked, and its diagonal falls anywhere in a key tile."""
+    _check_prefill_attention(monkeypatch, [21], [70])
+    _check_prefill_attention(monkeypatch, [5, 16, 9], [45, 116, 9], seed=82)
+
+
+def test_kernel_prefill_attention_mixed_with_decodes_and_padding(monkeypatch):
+    """A prompt step as the scheduler makes it: decodes (q_len 1) beside a prompt, a chunk, and padding requests
+    (seq_len 0, with tokens or without), which write zeros."""
+    _check_prefill_attention(monkeypatch, [1, 19, 1, 3, 1, 2, 0], [40, 19, 0, 30, 130, 0, 0])
+    _check_prefill_attention(monkeypatch, [1, 1], [0, 0], seed=83)  # all padding
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (8, 4), (16, 8), (32, 8), (32, 4)])
+def test_kernel_prefill_attention_every_gqa_ratio_of_the_presets(monkeypatch, h, hkv):
+    """The heads of every preset (tiny 8/4, qwen3-0.6b 16/8, llama 32/8, qwen3-30b-a3b 32/4) and one kv head a
+    query head: a unit's rows are BLOCK_Q tokens x the group's heads, at a small head_dim."""
+    presets = {(c.num_heads, c.num_kv_heads) for c in map(nanoengine.ModelConfig.from_hf, nanoengine.PRESETS.values())}
+    assert {a // b for a, b in presets} <= {1, 2, 4, 8}, "a preset with a new ratio: test it here"
+    _check_prefill_attention(monkeypatch, [13, 1, 6], [13, 50, 36], h=h, hkv=hkv, seed=84)
+
+
+def test_kernel_prefill_attention_splits_long_rows_and_merges_them(monkeypatch):
+    """Asked for 64 units an SM, the few query tiles split 8 ways, one 16-key tile a split at least: the prompt's
+    last tiles and the long decode use 8 splits, its first tiles fewer, the short prompt none. The last of a
+    tile's splits to finish merges; calls in a row, each with new data (a stale partial would show)."""
+    launches = spy(monkeypatch, "_prefill_attention_kernel").launches
+    for seed in (85, 86, 87):
+        _check_prefill_attention(monkeypatch, [24, 1, 5], [224, 300, 5], programs=3, split_units=64, min_split_tiles=1,
+                                 seed=seed)
+    assert [x.SPLIT for x in launches] == [True] * 3
+
+
+def test_kernel_prefill_attention_grid_depends_on_sizes_only(monkeypatch):
+    """A call like a prompt graph's: a block table far wider than any context (the bucket's max_seq_len), more
+    request rows than requests (q_len 0, seq_len 0) and a request of padding tokens. Two batches of the same
+    sizes, cut differently, launch the same grid and tiles, and each is right."""
+    launches = spy(monkeypatch, "_prefill_attention_kernel").launches
+    for q_lens, seq_lens in (([9, 1, 1, 5, 0, 0], [30, 12, 70, 0, 0, 0]), ([1, 14, 1, 0, 0, 0], [3, 14, 40, 0, 0, 0])):
+        _check_prefill_attention(monkeypatch, q_lens, seq_lens, max_blocks=64, programs=4, split_units=16)
+    (a, b) = launches
+    assert a.grid == b.grid and vars(a) == vars(b) and a.SPLIT
+
+
+def test_kernel_prefill_attention_past_max_seqs_runs_paged_attention(monkeypatch):
+    """More requests than its programs scan in one vector (PREFILL_MAX_SEQS): paged_attention takes the call."""
+    monkeypatch.setattr(kernels, "PREFILL_MAX_SEQS", 2)
+    prefill, paged = (spy(monkeypatch, f"_{name}_kernel").launches for name in ("prefill_attention", "paged_attention"))
+    _check_prefill_attention(monkeypatch, [1, 4, 1], [9, 4, 20])
+    assert not prefill and len(paged) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_lens,seq_lens", [
+    ([1024], [1024]),  # a 1,024-token prompt
+    ([1024], [4024]),  # a chunk on a 3,000-token prefix
+    ([1] * 16 + [1024], [300 + 53 * i for i in range(16)] + [1024]),  # 16 decodes and a prompt joining them
+    ([7, 1, 0, 300], [7, 8100, 0, 3300]),  # odd lengths, a long decode, a padding row
+])
+def test_kernel_gpu_prefill_attention_bf16(q_lens, seq_lens):
+    """Qwen3-0.6B's heads, bf16. Both sides accumulate in float32 and round the output to bf16 once; the kernel
+    also rounds each softmax weight to bf16 for the P @ V matmul, off by at most 2^-9 of it: at most 2^-9 x max|v|
+    (~5 for these normal V, so ~1e-2) on an output, plus one bf16 step (2^-8) of outputs of magnitude <= ~2,
+    together under BF16_GEMM_TOL's atol 3e-2."""
+    h, hkv, d, page = 16, 8, 128, 16
+    max_blocks = -(-max(seq_lens) // page) + 1
+    q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed=88, device=CUDA_DEVICE, dtype=BF16)
+    out = kernels.prefill_attention(q, *tensors, d**-0.5, max(q_lens))
+    ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
+    assert kernels._tickets(CUDA_DEVICE).count_nonzero() == 0
+
+
+@needs_cuda
+def test_kernel_gpu_prefill_attention_graph_replays():
+    """Captured in a CUDA graph with a prompt bucket's sizes (1,280 tokens, more request rows than requests, a
+    block table of 8,192 keys) and replayed with other lengths of the same sizes: each replay right, the work
+    counter and every ticket back at zero between replays."""
+    h, hkv, d, page, t, rows, width = 16, 8, 128, 16, 1280, 33, 512
+    cases = [([1] * 16 + [1024], [300 + 53 * i for i in range(16)] + [1024]), ([640, 1, 400], [3640, 8000, 400])]
+    batches = []
+    for seed, (q_lens, seq_lens) in enumerate(cases, start=89):
+        pad = t - sum(q_lens)  # the padding tokens' request, then empty rows
+        q_lens, seq_lens = q_lens + [pad] + [0] * (rows - len(q_lens) - 1), seq_lens + [0] * (rows - len(seq_lens))
+        batches.append(_attention_case(q_lens, seq_lens, h, hkv, d, page, width, seed=seed, device=CUDA_DEVICE,
+                                       dtype=BF16))
+    q, tensors = batches[0][0].clone(), [x.clone() for x in batches[0][1]]
+    kernels.prefill_attention(q, *tensors, d**-0.5, t)  # compile, and make the tickets, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.prefill_attention(q, *tensors, d**-0.5, t)
+    for q_new, tensors_new in batches:
+        q.copy_(q_new)
+        for static, new in zip(tensors, tensors_new):
+            static.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(out, kernels.paged_attention_ref(q, *tensors, d**-0.5, t), **BF16_GEMM_TOL)
+        assert kernels._tickets(CUDA_DEVICE).count_nonzero() == 0
 
 
 # -- The steady decode: a decode of an unchanged running set planned and staged on arrays --------------
