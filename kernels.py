@@ -45,8 +45,7 @@ import triton.language as tl
 
 
 # -- 1.1 add_rmsnorm: the pre-norm residual stream, residual += x, then RMSNorm, in one pass --------------
-NORM_TILE = 4096  # short rows go a few to a program, up to this many elements (a warp's loads stay wide) ...
-NORM_MIN_PROGRAMS = 256  # ... while at least this many programs remain (two an SM on a 132-SM card)
+NORM_TILE, NORM_PROGRAMS = 4096, 256  # short rows go a few to a program, up to 4K elements, while 256 (2 an SM) remain
 
 
 @triton.jit
@@ -63,10 +62,9 @@ def _add_rmsnorm_kernel(
     BLOCK_ROWS: tl.constexpr,  # rows per program
     BLOCK_D: tl.constexpr,  # D rounded up to a power of two
 ):
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
-    rows = rows.to(tl.int64)
     s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + rows[:, None] * dim + cols[None, :]
@@ -75,8 +73,7 @@ def _add_rmsnorm_kernel(
         tl.store(r_ptrs, s, mask=mask)
     s = s.to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(s * s, axis=1) / dim + eps)  # [BLOCK_ROWS]
-    out = s * inv_rms[:, None] * w[None, :]
+    out = s * tl.rsqrt(tl.sum(s * s, axis=1) / dim + eps)[:, None] * w[None, :]  # 1 / rms: one per row
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -84,7 +81,7 @@ def _check_add_rmsnorm_args(x, residual, weight, weight_name: str = "weight") ->
     if x.stride(-1) != 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"x must have a contiguous last dim and {weight_name} shape ({x.shape[-1]},), got x "
                          f"strides {tuple(x.stride())} and {weight_name} {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+    if residual is not None and ((residual.shape, residual.dtype) != (x.shape, x.dtype)
                                  or not residual.is_contiguous()):
         raise ValueError(f"residual must be contiguous with x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
                          f"{tuple(residual.shape)} strides {tuple(residual.stride())} {residual.dtype}")
@@ -95,13 +92,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     """(rmsnorm(x + residual) * weight, x + residual) for x [..., D]. The sum is written IN PLACE into
     `residual` (contiguous), which is returned. residual None (the first layer): (rmsnorm(x) * weight, x)."""
     _check_add_rmsnorm_args(x, residual, weight)
-    dim = x.shape[-1]
-    x2 = x.reshape(-1, dim)  # [N, D]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_rows = x2.shape[0]
+    x2, out = x.reshape(-1, x.shape[-1]), torch.empty(x.shape, dtype=x.dtype, device=x.device)  # x2: [N, D]
+    (num_rows, dim), block_d = x2.shape, triton.next_power_of_2(x2.shape[1])
     if num_rows:
-        block_d = triton.next_power_of_2(dim)
-        rows = max(1, min(NORM_TILE // block_d, num_rows // NORM_MIN_PROGRAMS))
+        rows = max(1, min(NORM_TILE // block_d, num_rows // NORM_PROGRAMS))
         block_rows = 1 << (rows.bit_length() - 1)  # a power of two, rounded down
         _add_rmsnorm_kernel[(triton.cdiv(num_rows, block_rows),)](
             x2, x2 if residual is None else residual, weight, out, num_rows, x2.stride(0), dim, eps,
@@ -111,13 +105,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as add_rmsnorm: the sum is written into `residual` in place."""
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # add_rmsnorm's contract: residual in place
     if residual is None:
         return rmsnorm_ref(x, weight, eps), x
     residual.copy_((x.float() + residual.float()).to(residual.dtype))
@@ -167,11 +159,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def _rope_heads(
     x_ptr,  # this token's first head
     stride_h,  # elements between two heads of x
-    out_ptr,  # where the rotated heads go: x_ptr itself (q), or the token's KV-cache slot (k)
-    out_stride_h,
+    out_ptr, out_stride_h,  # where the rotated heads go, x_ptr itself (q) or the KV-cache slot (k); head stride
     norm_ptr,  # [D] per-head RMSNorm weight (HAS_NORM only)
-    cos,  # [D / 2] float32
-    sin,  # [D / 2] float32
+    cos, sin,  # [D / 2] float32 each
     eps,
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # NUM_HEADS rounded up to a power of two
@@ -205,8 +195,7 @@ def _rope_write_kv_kernel(
     scratch_slot,  # first slot of the scratch block (the last one, never given to a request)
     positions_ptr,  # [T]
     cos_sin_ptr,  # [max_pos, D] float32: cos in the first half, sin in the second
-    q_norm_ptr,  # [D] (HAS_NORM only)
-    k_norm_ptr,  # [D] (HAS_NORM only)
+    q_norm_ptr, k_norm_ptr,  # [D] each (HAS_NORM only)
     stride_qt, stride_qh,  # q's strides: tokens, heads
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -227,8 +216,7 @@ def _rope_write_kv_kernel(
     q = q_ptr + t * stride_qt
     _rope_heads(q, stride_qh, q, stride_qh, q_norm_ptr, cos, sin, eps, NUM_Q_HEADS, Q_PAD, HALF, HAS_NORM)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    slot = tl.where(slot < 0, scratch_slot, slot)  # padding tokens write where no request reads
-    cache = slot * NUM_KV_HEADS * 2 * HALF
+    cache = tl.where(slot < 0, scratch_slot, slot) * NUM_KV_HEADS * 2 * HALF  # padding: where no request reads
     _rope_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + cache, 2 * HALF, k_norm_ptr, cos, sin, eps,
                 NUM_KV_HEADS, KV_PAD, HALF, HAS_NORM)
     heads = tl.arange(0, KV_PAD)[:, None]
@@ -244,13 +232,12 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     """q [T, H, D] rotated in place (after the optional per-head norm); k the same but written to its slot
     of k_cache [num_blocks, block_size, Hkv, D] (k itself is left as it was), v beside it in v_cache.
     cos = cos_sin[pos, :D/2], sin = cos_sin[pos, D/2:]. Slot -1 goes to the scratch block (the last)."""
-    t, h, d = q.shape
-    hkv = k.shape[1]
-    if k.shape != (t, hkv, d) or v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or d % 2:
-        raise ValueError(f"expected q [T, H, D], k and v [T, Hkv, D], caches [blocks, block_size, Hkv, D], D even; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
-        raise ValueError("k_cache, v_cache and cos_sin must be contiguous")
+    (t, h, d), hkv = q.shape, k.shape[1]
+    if k.shape != (t, hkv, d) or v.shape != k.shape or k_cache.shape[2:] != (hkv, d) or d % 2 or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()):
+        raise ValueError(f"expected q [T, H, D], k and v [T, Hkv, D], contiguous caches [blocks, block_size, Hkv, D] "
+                         f"and cos_sin, D even; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
+                         f"{tuple(k_cache.shape)}")
     if t == 0:
         return
     has_norm = q_norm is not None
@@ -507,10 +494,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
         return moe_align_ref(topk_ids, num_experts, block_m)
     max_padded = moe_max_padded(num_assignments, num_experts, block_m)
     num_blocks, experts_pad = max_padded // block_m, triton.next_power_of_2(num_experts)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
-    cursor = torch.empty(experts_pad, dtype=torch.int32, device=topk_ids.device)
+    sorted_ids, block_expert, num_padded, cursor = (torch.empty(n, dtype=torch.int32, device=topk_ids.device)
+                                                    for n in (max_padded, num_blocks, 1, experts_pad))
     _moe_align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, num_padded, cursor, num_assignments, max_padded,
         NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,

@@ -34,7 +34,7 @@ from torch import nn
 
 from graphs import GraphRunner, default_buckets, default_token_buckets
 from scheduler import (FINISHED, PLACEHOLDER, SEED_RANGE, Batch, BlockManager, Request, RequestBook,
-                       SamplingParams, Scheduler, SteadyBook, SteadyScheduler, cdiv, check_type, is_int, require)
+                       SamplingParams, Scheduler, cdiv, check_type, is_int, require)
 
 
 def own_kernels():
@@ -1237,6 +1237,36 @@ class EngineConfig:
                              "use device='cpu' or a lower index")
 
 
+# The tuned path's variants, each a switch of EngineConfig.tuned (Part 2, below; BENCHMARKS.md: what each buys)
+TUNED = {
+    "gemv": "kernels.linear for decode-sized matmuls, add_rmsnorm in its prologue, silu_and_mul in its epilogue",
+    "pdl": "programmatic dependent launch for every Triton kernel (Hopper)",
+    "decode_attention": "kernels.decode_attention: RoPE + KV write inside, split-KV, packed kv heads",
+    "prefill_attention": "kernels.prefill_attention for paged_attention: prompt steps at FlashAttention-2 speed",
+    "moe_decode": "kernels.fused_moe_decode up to 4 tokens",
+    "moe_route": "kernels.moe_route instead of torch's five routing ops",
+    "sampler": "kernels.race_sample instead of the torch race",
+    "steady": "the steady-decode host path (scheduler.SteadyDecode, DecodeRows)",
+}
+
+
+def tuned_variants(tuned) -> frozenset:
+    """True: every variant; False: none; "a,b": those; "-a,-b": all but those."""
+    if not isinstance(tuned, (bool, str, tuple, list, set, frozenset)):
+        raise TypeError(f"tuned={tuned!r:.80} has type {type(tuned).__name__}: it must be True, False, or variant "
+                        f"names (a string 'a,b' or a list) from {', '.join(TUNED)}")
+    if tuned is True or tuned is False:
+        return frozenset(TUNED) if tuned else frozenset()
+    names = [n.strip() for n in tuned.split(",") if n.strip()] if isinstance(tuned, str) else list(tuned)
+    bad = [n for n in names if n.lstrip("-") not in TUNED]
+    if bad or (names and len({n.startswith("-") for n in names}) > 1):
+        raise ValueError(f"tuned={tuned!r} is invalid: give True, False, or names from {', '.join(TUNED)} "
+                         "(all with a leading '-' for all but those)")
+    if names and names[0].startswith("-"):
+        return frozenset(TUNED) - {n[1:] for n in names}
+    return frozenset(names)
+
+
 def read_model_config(model: str) -> tuple[dict, str | None]:
     """(config dict, checkpoint folder or None for a preset)."""
     if model in PRESETS:
@@ -1361,34 +1391,7 @@ def max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
 
 # ----------------------------------------------------------------------------------------------------------
 # Part 2: the tuned path. Each variant is a switch (EngineConfig.tuned) with a row in BENCHMARKS.md.
-TUNED = {
-    "gemv": "kernels.linear for decode-sized matmuls, add_rmsnorm in its prologue, silu_and_mul in its epilogue",
-    "pdl": "programmatic dependent launch for every Triton kernel (Hopper)",
-    "decode_attention": "kernels.decode_attention: RoPE + KV write inside, split-KV, packed kv heads",
-    "prefill_attention": "kernels.prefill_attention for paged_attention: prompt steps at FlashAttention-2 speed",
-    "moe_decode": "kernels.fused_moe_decode up to 4 tokens",
-    "moe_route": "kernels.moe_route instead of torch's five routing ops",
-    "sampler": "kernels.race_sample instead of the torch race",
-    "steady": "the steady-decode host path (scheduler.SteadyDecode, DecodeRows)",
-}
-
-
-def tuned_variants(tuned) -> frozenset:
-    """True: every variant; False: none; "a,b": those; "-a,-b": all but those."""
-    if not isinstance(tuned, (bool, str, tuple, list, set, frozenset)):
-        raise TypeError(f"tuned={tuned!r:.80} has type {type(tuned).__name__}: it must be True, False, or variant "
-                        f"names (a string 'a,b' or a list) from {', '.join(TUNED)}")
-    if tuned is True or tuned is False:
-        return frozenset(TUNED) if tuned else frozenset()
-    names = [n.strip() for n in tuned.split(",") if n.strip()] if isinstance(tuned, str) else list(tuned)
-    bad = [n for n in names if n.lstrip("-") not in TUNED]
-    if bad or (names and len({n.startswith("-") for n in names}) > 1):
-        raise ValueError(f"tuned={tuned!r} is invalid: give True, False, or names from {', '.join(TUNED)} "
-                         "(all with a leading '-' for all but those)")
-    if names and names[0].startswith("-"):
-        return frozenset(TUNED) - {n[1:] for n in names}
-    return frozenset(names)
-
+from scheduler import SteadyBook, SteadyScheduler  # noqa: E402 (Part 2's, imported where it starts)
 
 def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> SimpleNamespace:
     """Swap the variants named in cfg.tuned into the textbook ops, and add the ops TunedDecoderLayer calls.
@@ -1467,21 +1470,21 @@ class BoundedGraphRunner(GraphRunner):
     while every context is short): each decode bucket has one graph per side of each such bound
     (kernels.decode_context_bounds), and a step replays the one its longest context allows."""
 
-    def bounds(self, b: int) -> tuple:
+    def context_bounds(self, b: int) -> tuple:
         """Bucket b's context bounds: the kernel's, then any context the block table holds."""
         return (*self.model.ops.decode_context_bounds(b, self.kv_cache.shape[4]), self.max_seq_len)
 
     def keys(self) -> list[tuple]:
         keys = []
         for key in super().keys():
-            keys += [(*key, bound) for bound in self.bounds(key[1])] if key[0] == "decode" else [key]
+            keys += [(*key, bound) for bound in self.context_bounds(key[1])] if key[0] == "decode" else [key]
         return keys
 
     def key_for(self, batch: Batch) -> tuple | None:
         key = super().key_for(batch)
         if key is None or key[0] != "decode":
             return key
-        return (*key, next(bound for bound in self.bounds(key[1]) if batch.max_seq_len <= bound))
+        return (*key, next(bound for bound in self.context_bounds(key[1]) if batch.max_seq_len <= bound))
 
     def decode_batch(self, key: tuple) -> Batch:
         return replace(super().decode_batch(key), max_seq_len=key[2])
@@ -1545,7 +1548,8 @@ class SteadyInputBuilder(InputBuilder):
         if kept is not None:
             self._condense(d, plan, kept)
         self._advance(d, plan)
-        t = self.staging.to_device(dict(d.named, block_table=d.block_table, **({} if kept is None else dict(kept=kept))))
+        kept_index = {} if kept is None else dict(kept=kept)
+        t = self.staging.to_device(dict(d.named, block_table=d.block_table, **kept_index))
         input_ids = self.prev_tokens if kept is None else self.prev_tokens[t.kept]
         if kept is not None:  # the sampling settings of the rows that stay, gathered on the device
             sp = d.sampling

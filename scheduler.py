@@ -25,85 +25,11 @@ import numpy as np
 # model straight from the device; the host fills it in one step later.
 PLACEHOLDER = -1
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
 
-# What a request's outputs carry, as vLLM's RequestOutputKind: every step its tokens so far, every step
-# only the new ones, or one output when it finishes (LLM.generate's choice).
-OUTPUT_KINDS = ("cumulative", "delta", "final_only")
-
-# vLLM's SamplingParams fields that nanoengine does not implement, each with its "off" value: given that value a
-# field is accepted and dropped, so vLLM code ports as it is; any other value is refused (takes_vllm_fields).
-VLLM_OFF = dict(n=1, best_of=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0,
-                min_tokens=0, logprobs=None, prompt_logprobs=None, detokenize=True, skip_special_tokens=True,
-                spaces_between_special_tokens=True, include_stop_str_in_output=False, logits_processors=None,
-                truncate_prompt_tokens=None, guided_decoding=None, structured_outputs=None, logit_bias=None,
-                allowed_token_ids=None, bad_words=None, extra_args=None)
 
 def cdiv(a, b):
     """ceil(a / b) for positive integers, or numpy arrays of them."""
     return -(-a // b)
-
-
-def takes_vllm_fields(cls):
-    """cls's __init__, wrapped: a VLLM_OFF field at its off value is dropped; at another value it is a ValueError,
-    and a name that is no field at all (a typo) a TypeError, each naming the fields cls has."""
-    init = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        names = [f.name for f in fields(cls)]
-        for name in kwargs.keys() - set(names):
-            has = f"{cls.__name__} has {', '.join(names)}"
-            if name not in VLLM_OFF:
-                raise TypeError(f"{name}={kwargs[name]!r:.80}: no such field; {has} (and vLLM's others, off)")
-            value, off = kwargs[name], VLLM_OFF[name]
-            if not (value is off or (off is not None and np.ndim(value) == 0 and value == off)):
-                raise ValueError(f"{name}={value!r:.80} is not supported: {has}; vLLM's other fields only at their "
-                                 f"off value ({name}={off!r})")
-        init(self, *args, **{k: v for k, v in kwargs.items() if k not in VLLM_OFF})
-    cls.__init__ = functools.update_wrapper(__init__, init)
-    return cls
-
-
-@takes_vllm_fields
-@dataclass
-class SamplingParams:
-    """How one request samples, as vLLM's SamplingParams, checked when made (check_type, require); vLLM's other
-    fields only at their off values (VLLM_OFF). "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the
-    vocabulary (vLLM clamps it too); top_p 1.0. Token ids >= the vocabulary (stop_token_ids), and stop strings on
-    a model without a tokenizer, are refused by Engine.add_request, which knows the model."""
-    temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too. Finite: inf is refused, as in vLLM
-    top_p: float = 1.0          # nucleus sampling: keep the fewest tokens whose mass reaches top_p; 1 keeps all
-    top_k: int = -1             # keep the k most likely tokens; -1 or 0 keep all (vLLM: both mean off)
-    max_tokens: int = 16        # vLLM's default
-    seed: int | None = None     # per-request seed: the same tokens whatever else is in the batch (int64)
-    stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos); None: none
-    ignore_eos: bool = False    # keep going past eos (benchmarks)
-    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
-    stop: tuple = ()            # strings that end the request once its text holds one (not in the text, as vLLM)
-
-    def __post_init__(self):
-        for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"),
-                           ("max_tokens", "int"), ("ignore_eos", "bool"), ("output_kind", "str")):
-            check_type(name, getattr(self, name), kind)
-        check_type("seed", self.seed, "int", optional=True)
-        check_type("stop_token_ids", self.stop_token_ids, "ints", optional=True)
-        check_type("stop", self.stop, "strs", optional=True)
-        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        require(all(strings), "stop", self.stop, "a non-empty string, or a list of them")
-        require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-                "a finite number >= 0 (0 means greedy)")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1 keeps all tokens)")
-        require(self.top_k >= -1, "top_k", self.top_k, "an integer >= 1, or -1 or 0 (off)")
-        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
-        require(self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed,
-                "None or an integer in [-2**63, 2**63)")
-        require(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind, " or ".join(OUTPUT_KINDS))
-        stop = tuple(int(t) for t in self.stop_token_ids or ())
-        require(all(t >= 0 for t in stop), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
-        # numpy scalars become Python's: the scheduler and the runner read plain ints and floats
-        self.temperature, self.top_p, self.top_k = float(self.temperature), float(self.top_p), int(self.top_k)
-        self.max_tokens, self.ignore_eos, self.stop_token_ids = int(self.max_tokens), bool(self.ignore_eos), stop
-        self.seed, self.stop = None if self.seed is None else int(self.seed), strings
 
 
 @dataclass(eq=False)
@@ -441,7 +367,8 @@ class Scheduler:
                 self._add_to_step(plan, req, n)
                 budget -= n
         self._admit(plan, budget)
-        plan.requests, plan.starts, plan.step = tuple(plan.requests), np.array(plan.starts, dtype=np.int64), self.step_id
+        plan.requests, plan.starts = tuple(plan.requests), np.array(plan.starts, dtype=np.int64)
+        plan.step = self.step_id
         return plan
 
     def _decode_pass(self, plan: SchedulerOutput) -> int:
@@ -515,7 +442,84 @@ class Scheduler:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Checks of user input, for SamplingParams here and for nanoengine's settings and requests
+# Around the chapter: what a request asks for (SamplingParams), and checks of user input
+SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64 on the device (the sampler's noise hashes their bits)
+
+# What a request's outputs carry, as vLLM's RequestOutputKind: every step its tokens so far, every step
+# only the new ones, or one output when it finishes (LLM.generate's choice).
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+# vLLM's SamplingParams fields that nanoengine does not implement, each with its "off" value: given that value a
+# field is accepted and dropped, so vLLM code ports as it is; any other value is refused (takes_vllm_fields).
+VLLM_OFF = dict(n=1, best_of=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0,
+                min_tokens=0, logprobs=None, prompt_logprobs=None, detokenize=True, skip_special_tokens=True,
+                spaces_between_special_tokens=True, include_stop_str_in_output=False, logits_processors=None,
+                truncate_prompt_tokens=None, guided_decoding=None, structured_outputs=None, logit_bias=None,
+                allowed_token_ids=None, bad_words=None, extra_args=None)
+
+
+def takes_vllm_fields(cls):
+    """cls's __init__, wrapped: a VLLM_OFF field at its off value is dropped; at another value it is a ValueError,
+    and a name that is no field at all (a typo) a TypeError, each naming the fields cls has."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        names = [f.name for f in fields(cls)]
+        for name in kwargs.keys() - set(names):
+            has = f"{cls.__name__} has {', '.join(names)}"
+            if name not in VLLM_OFF:
+                raise TypeError(f"{name}={kwargs[name]!r:.80}: no such field; {has} (and vLLM's others, off)")
+            value, off = kwargs[name], VLLM_OFF[name]
+            if not (value is off or (off is not None and np.ndim(value) == 0 and value == off)):
+                raise ValueError(f"{name}={value!r:.80} is not supported: {has}; vLLM's other fields only at their "
+                                 f"off value ({name}={off!r})")
+        init(self, *args, **{k: v for k, v in kwargs.items() if k not in VLLM_OFF})
+    cls.__init__ = functools.update_wrapper(__init__, init)
+    return cls
+
+
+@takes_vllm_fields
+@dataclass
+class SamplingParams:
+    """How one request samples, as vLLM's SamplingParams, checked when made (check_type, require); vLLM's other
+    fields only at their off values (VLLM_OFF). "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the
+    vocabulary (vLLM clamps it too); top_p 1.0. Token ids >= the vocabulary (stop_token_ids), and stop strings on
+    a model without a tokenizer, are refused by Engine.add_request, which knows the model."""
+    temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too. Finite: inf is refused, as in vLLM
+    top_p: float = 1.0          # nucleus sampling: keep the fewest tokens whose mass reaches top_p; 1 keeps all
+    top_k: int = -1             # keep the k most likely tokens; -1 or 0 keep all (vLLM: both mean off)
+    max_tokens: int = 16        # vLLM's default
+    seed: int | None = None     # per-request seed: the same tokens whatever else is in the batch (int64)
+    stop_token_ids: tuple = ()  # extra ids that end the request (returned, like eos); None: none
+    ignore_eos: bool = False    # keep going past eos (benchmarks)
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
+    stop: tuple = ()            # strings that end the request once its text holds one (not in the text, as vLLM)
+
+    def __post_init__(self):
+        for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"),
+                           ("max_tokens", "int"), ("ignore_eos", "bool"), ("output_kind", "str")):
+            check_type(name, getattr(self, name), kind)
+        check_type("seed", self.seed, "int", optional=True)
+        check_type("stop_token_ids", self.stop_token_ids, "ints", optional=True)
+        check_type("stop", self.stop, "strs", optional=True)
+        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        require(all(strings), "stop", self.stop, "a non-empty string, or a list of them")
+        require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+                "a finite number >= 0 (0 means greedy)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1] (1 keeps all tokens)")
+        require(self.top_k >= -1, "top_k", self.top_k, "an integer >= 1, or -1 or 0 (off)")
+        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        require(self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed,
+                "None or an integer in [-2**63, 2**63)")
+        require(self.output_kind in OUTPUT_KINDS, "output_kind", self.output_kind, " or ".join(OUTPUT_KINDS))
+        stop = tuple(int(t) for t in self.stop_token_ids or ())
+        require(all(t >= 0 for t in stop), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
+        # numpy scalars become Python's: the scheduler and the runner read plain ints and floats
+        self.temperature, self.top_p, self.top_k = float(self.temperature), float(self.top_p), int(self.top_k)
+        self.max_tokens, self.ignore_eos, self.stop_token_ids = int(self.max_tokens), bool(self.ignore_eos), stop
+        self.seed, self.stop = None if self.seed is None else int(self.seed), strings
+
+
 def is_int(x) -> bool:
     """A Python or numpy integer, but not a bool: True is an int to Python, never a count or a token id."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))

@@ -166,6 +166,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import tokenize
 import weakref
 from functools import partial
 from types import SimpleNamespace
@@ -789,6 +790,72 @@ def test_the_index_names_every_test():
     defined = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
     assert not defined - named, f"tests missing from the index: {sorted(defined - named)}"
     assert not named - defined, f"the index names tests that do not exist: {sorted(named - defined)}"
+
+
+def chapter_ranges() -> dict[str, tuple[int, int]]:
+    """The chapter's line ranges as the README's reading order gives them: file -> (first, last) line."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    found = re.findall(r"`(\w+\.py)` (?:lines (\d+)-(\d+)|\(all (\d+)\))", readme[readme.index("## Reading order"):])
+    return {f: (int(a or 1), int(b or n)) for f, a, b, n in found}
+
+
+def later_parts(name: str) -> list[str]:
+    """A file's lines from its "# Part 2" banner on (Part 2 and anything after it)."""
+    lines = open(os.path.join(HERE, name)).read().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("# Part 2")), len(lines))
+    return lines[start:]
+
+
+def test_the_chapter_holds_no_name_of_a_later_part():
+    """The chapter's code (the README's line ranges, which must end where a section does and stay under 2,000
+    lines) names nothing that Part 2 or later defines, nor a variant of EngineConfig.tuned: each later part
+    attaches from its own place. Names the chapter defines itself (its ops' slots included) are its own."""
+    ranges = chapter_ranges()
+    assert set(ranges) == {"scheduler.py", "kernels.py", "nanoengine.py", "graphs.py"}, ranges
+    assert sum(b - a + 1 for a, b in ranges.values()) <= 2000, ranges
+    later, chapter_code = set(nanoengine.TUNED), {}
+    for name, (first, last) in ranges.items():
+        lines = open(os.path.join(HERE, name)).read().splitlines()
+        after = [line for line in lines[last:] if line.strip()]
+        assert not after or after[0].lstrip().startswith(("# --", "# ==")), f"{name}: line {last} ends mid-section"
+        chapter_code[name] = "\n".join(lines[first - 1:last])
+        tree = ast.parse(textwrap.dedent("\n".join(later_parts(name))) or "pass")
+        later |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        later |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    own = set(vars(nanoengine.textbook_ops(False)))
+    for code in chapter_code.values():
+        tree = ast.parse(textwrap.dedent(code))
+        own |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for name, code in chapter_code.items():
+        tokens = {tok.string for tok in tokenize.generate_tokens(io.StringIO(code).readline) if tok.type == tokenize.NAME}
+        assert not (tokens & later) - own, f"{name}'s chapter names {sorted((tokens & later) - own)}"
+
+
+def test_the_readme_example_runs_the_chapter(capsys):
+    """The README's API example, run as a learner would (a breakpoint in the chapter's functions stops it):
+    every function of nanoengine's files that it runs lies before their Part 2, and the chapter's step
+    (the scheduler, the input builder, the decoder layer, the book) runs."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    example = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    files = {os.path.join(HERE, f): f for f in ("kernels.py", "scheduler.py", "nanoengine.py", "graphs.py")}
+    ran = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename in files:
+            ran.add((files[frame.f_code.co_filename], frame.f_code.co_qualname, frame.f_code.co_firstlineno))
+    sys.setprofile(profile)
+    try:
+        exec(compile(example, "README.md", "exec"), {})
+    finally:
+        sys.setprofile(None)
+    assert capsys.readouterr().out, "the example prints its outputs"
+    for f in files.values():
+        part2 = len(open(os.path.join(HERE, f)).read().splitlines()) - len(later_parts(f)) + 1
+        beyond = sorted(q for g, q, line in ran if g == f and line >= part2)
+        assert not beyond, f"the README's example runs {f}'s {beyond}"
+    names = {q for _, q, _ in ran}
+    assert {"Scheduler.schedule", "InputBuilder.prepare", "DecoderLayer.forward", "Attention.forward",
+            "RequestBook.fill", "Engine.step", "sample"} <= names, sorted(names)
 
 
 # ==========================================================================================================
@@ -1651,7 +1718,7 @@ def test_graph_key_for_picks_the_smallest_bucket():
     tuned = Engine(model="tiny", enforce_eager=False, graph_buckets=(1, 2, 4, 8), graph_token_buckets=(16, 64),
                    max_num_seqs=16, tuned=True).runner.graphs
     bound = tuned.max_seq_len  # the CPU's ops have no context bounds: one decode graph a bucket
-    assert type(tuned) is nanoengine.BoundedGraphRunner and tuned.bounds(8) == (bound,)
+    assert type(tuned) is nanoengine.BoundedGraphRunner and tuned.context_bounds(8) == (bound,)
     assert tuned.key_for(_shape(3, 3, 1)) == ("decode", 4, bound) and tuned.key_for(_shape(2, 1, 2)) == ("prompt", 16)
     tuned.model.ops.decode_context_bounds = lambda b, hkv: (24,) if b == 8 else ()
     assert [tuned.key_for(_shape(7, 7, 1, m)) for m in (1, 24, 25)] == \
@@ -4012,7 +4079,7 @@ def test_graph_runner_packs_kv_heads_of_short_contexts(monkeypatch):
     llm = LLM("tiny", fuse=True, triton=True, tuned=True, enforce_eager=False, graph_buckets=(2, 4, 8), max_num_seqs=8,
               **dev)
     g, bound = llm.engine.runner.graphs, kernels.ATTN_PACK_MAX_CONTEXT
-    assert {b: g.bounds(b) for b in (2, 4, 8)} == {2: (g.max_seq_len,), 4: (bound, g.max_seq_len),
+    assert {b: g.context_bounds(b) for b in (2, 4, 8)} == {2: (g.max_seq_len,), 4: (bound, g.max_seq_len),
                                                     8: (bound, g.max_seq_len)}
     keys, key_for = [], g.key_for
     monkeypatch.setattr(g, "key_for", lambda batch: keys.append(key_for(batch)) or keys[-1])
