@@ -13,6 +13,8 @@ named here fails test_the_index_names_every_test.
     nanoengine runs its own kernels.py beside another `kernels` (transformers 5.x's)
         test_nanoengine_runs_its_own_kernels_beside_another_kernels_package
     this index names every test ........................ test_the_index_names_every_test
+    the chapter (the README's ranges) names nothing of a later part; the README's example runs it
+        test_the_chapter_holds_no_name_of_a_later_part, test_the_readme_example_runs_the_chapter
   kernels.py, Part 1: the chapter's kernels, each against its plain-torch reference
     each section runs alone: copy-paste proven .......... test_kernel_part1_sections_run_alone
     1.1 add_rmsnorm: residual += x then RMSNorm, in place; the first layer; strided rows; eps where it shows
