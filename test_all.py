@@ -1402,7 +1402,6 @@ def test_kernel_gpu_no_host_sync():
         kernels.fused_moe(x, gate_up, down, weights, ids)
         kernels.paged_attention(q_att, *tensors, d**-0.5, 1)
         kernels.paged_attention(q_pre, *tensors_pre, d**-0.5, 20)
-        kernels.paged_attention_ref(q_pre, *tensors_pre, d**-0.5, 20)
         kernels.prefill_attention(q_att, *tensors, d**-0.5, 1)
         kernels.prefill_attention(q_pre, *tensors_pre, d**-0.5, 20)
         # Part 2
@@ -3538,9 +3537,8 @@ def test_kernel_gpu_pdl_chain_in_graph_matches_plain_launches(rows):
     x0 = _randn(rows, hidden, seed=72, device="cuda", dtype=BF16)
 
     def chain(x, residual, pdl):
-        for _ in range(40):
-            h, residual = kernels.add_rmsnorm(x, residual, g, 1e-6, pdl=pdl)
-            x = kernels.linear(h, w, pdl=pdl)
+        for _ in range(40):  # one row: add + norm inside the matmul; four: Part 1's add_rmsnorm, then linear
+            x, residual = kernels.add_rmsnorm_linear(x, residual, g, 1e-6, w, pdl=pdl)
         return x, residual
 
     x, residual = x0.clone(), torch.zeros_like(x0)
@@ -3794,12 +3792,12 @@ def test_gpu_triton_linear_rows_default():
     matrices up to 256, and one row on a bigger one; a given value means what it says, narrow rows then 0."""
     pdl = kernels.has_pdl(CUDA_DEVICE)
     linear = lambda cfg: nanoengine.build_model(cfg)[0].ops.linear.keywords  # noqa: E731
-    assert linear(nanoengine.EngineConfig(model="tiny", device="cuda")) == \
+    assert linear(nanoengine.EngineConfig(model="tiny", device="cuda", tuned=True)) == \
         {"max_rows": 64, "narrow_rows": kernels.LINEAR_MAX_M, "pdl": pdl}
-    big = nanoengine.EngineConfig(model="llama-3.2-1b", device="cuda")
+    big = nanoengine.EngineConfig(model="llama-3.2-1b", device="cuda", tuned=True)
     assert linear(big) == {"max_rows": 1, "narrow_rows": 0, "pdl": pdl}
     assert big.triton_linear_rows is None and big.triton_narrow_rows is None, "decided in tuned_ops, once"
-    given = nanoengine.EngineConfig(model="tiny", device="cuda", triton_linear_rows=16)
+    given = nanoengine.EngineConfig(model="tiny", device="cuda", tuned=True, triton_linear_rows=16)
     assert linear(given) == {"max_rows": 16, "narrow_rows": 0, "pdl": pdl}
 
 
@@ -4133,7 +4131,7 @@ def test_gpu_packed_attention_graphs_equal_unpacked_eager(monkeypatch):
     """256 requests of short contexts replay the graph that packs tiny's kv heads (4 a program); their
     tokens equal an eager engine's that never packs (float32, so no tile order can round differently)."""
     dev = dict(GPU, dtype="float32")
-    graphed = nanoengine.LLM("tiny", enforce_eager=False, max_num_seqs=256, **dev)
+    graphed = nanoengine.LLM("tiny", enforce_eager=False, max_num_seqs=256, tuned=True, **dev)
     g, key = graphed.engine.runner.graphs, ("decode", 256, kernels.ATTN_PACK_MAX_CONTEXT)
     assert kernels.decode_pack(256, 4) == 4 and key in g.graphs
     replays, graph = [], g.graphs[key]
@@ -4142,7 +4140,7 @@ def test_gpu_packed_attention_graphs_equal_unpacked_eager(monkeypatch):
     packed = tokens_of(graphed.generate(prompts, greedy(16)))
     assert len(replays) >= 8, "the decode steps of 256 short contexts replay the packed graph"
     monkeypatch.setattr(kernels, "ATTN_PACK_MAX_CONTEXT", 0)  # never pack
-    eager = nanoengine.LLM("tiny", enforce_eager=True, max_num_seqs=256, **dev)
+    eager = nanoengine.LLM("tiny", enforce_eager=True, max_num_seqs=256, tuned=True, **dev)
     assert packed == tokens_of(eager.generate(prompts, greedy(16)))
 
 
