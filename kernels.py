@@ -725,6 +725,7 @@ PREFILL_PROGRAMS_PER_SM = 1  # ... programs an SM (132 KB of shared memory each)
 PREFILL_SPLIT_UNITS_PER_SM = 4  # ... split long rows while a batch's query tiles make fewer units than this an SM
 PREFILL_MAX_SPLITS = 8  # ... into this many at most (each keeps a float32 partial to merge)
 PREFILL_MIN_SPLIT_TILES = 2  # ... key tiles a split covers at least
+PREFILL_MIN_TOKENS = 4096  # ... the tuned path's steps of fewer tokens keep paged_attention (BENCHMARKS.md)
 PREFILL_MAX_SEQS = 512  # ... requests a step, scanned as one vector by every program; more: paged_attention
 
 
@@ -1654,14 +1655,15 @@ def _prefill_attention_kernel(
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, max_query_len: int,
-                      pdl: bool = False) -> torch.Tensor:
+                      pdl: bool = False, min_tokens: int = 0) -> torch.Tensor:
     """paged_attention (1.4), the same arguments and result -> out [T, H, D], in units of PREFILL_BLOCK_M query
     rows. The grid (PREFILL_PROGRAMS_PER_SM programs an SM) and the splits depend on T, B, Hkv and max_query_len,
-    never on the lengths: a graph can replay it. Past PREFILL_MAX_SEQS requests, paged_attention runs instead."""
+    never on the lengths: a graph can replay it. Past PREFILL_MAX_SEQS requests, or under min_tokens tokens (a
+    host-side size), paged_attention runs instead."""
     _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
     t, h, d = q.shape
     b, hkv, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
-    if b > PREFILL_MAX_SEQS:
+    if b > PREFILL_MAX_SEQS or t < min_tokens:
         return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, max_query_len)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0 or b == 0:

@@ -1418,7 +1418,7 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
         if triton:
             ops.decode_context_bounds = kernels.decode_context_bounds
     if "prefill_attention" in v and triton:  # without Triton, paged_attention_ref stays: the same math
-        ops.paged_attention = partial(kernels.prefill_attention, pdl=pdl)
+        ops.paged_attention = partial(kernels.prefill_attention, pdl=pdl, min_tokens=kernels.PREFILL_MIN_TOKENS)
     if "moe_decode" in v:
         ops.fused_moe = partial(kernels.fused_moe_tuned, pdl=pdl) if triton else kernels.fused_moe_ref
     if "moe_route" in v:

@@ -2193,6 +2193,7 @@ def test_triton_kernels_end_to_end_equal_unfused(tmp_path, monkeypatch, tuned, r
     assert ops.rope_write_kv is kernels.rope_write_kv
     if tuned:
         assert ops.paged_attention.func is kernels.prefill_attention and ops.linear.func is kernels.linear
+        assert ops.paged_attention.keywords["min_tokens"] == kernels.PREFILL_MIN_TOKENS
         assert (ops.linear.keywords["max_rows"], ops.linear.keywords["narrow_rows"]) == (rows, narrow)
         assert ops.decode_attention.func is kernels.decode_attention and ops.fused_moe.func is kernels.fused_moe_tuned
     else:
@@ -4388,11 +4389,18 @@ def test_kernel_prefill_attention_grid_depends_on_sizes_only(monkeypatch):
 
 
 def test_kernel_prefill_attention_past_max_seqs_runs_paged_attention(monkeypatch):
-    """More requests than its programs scan in one vector (PREFILL_MAX_SEQS): paged_attention takes the call."""
-    monkeypatch.setattr(kernels, "PREFILL_MAX_SEQS", 2)
+    """More requests than its programs scan in one vector (PREFILL_MAX_SEQS), or fewer tokens than min_tokens
+    (the tuned path's PREFILL_MIN_TOKENS: short steps, where paged_attention is as fast or faster):
+    paged_attention takes the call. At min_tokens or more, prefill_attention does."""
     prefill, paged = (spy(monkeypatch, f"_{name}_kernel").launches for name in ("prefill_attention", "paged_attention"))
+    q, tensors = _attention_case([1, 4, 1], [9, 4, 20], 4, 2, 16, 4, 8, seed=83)
+    for min_tokens, kernel in ((7, paged), (6, prefill)):
+        out = kernels.prefill_attention(q, *tensors, 0.25, 4, min_tokens=min_tokens)
+        torch.testing.assert_close(out, kernels.paged_attention_ref(q, *tensors, 0.25, 4), **ATTN_TOL)
+        assert len(kernel) == 1, f"min_tokens={min_tokens}: not the kernel it should be"
+    monkeypatch.setattr(kernels, "PREFILL_MAX_SEQS", 2)
     _check_prefill_attention(monkeypatch, [1, 4, 1], [9, 4, 20])
-    assert not prefill and len(paged) == 1
+    assert len(prefill) == 1 and len(paged) == 2
 
 
 @needs_cuda
