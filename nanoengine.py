@@ -317,21 +317,23 @@ class Staging:
     packed into pinned buffers and copied without blocking; two buffers alternate so the host can fill one
     while the other's copy may still be queued behind the step in flight (an event guards the reuse). On the
     CPU the tensors are zero-copy views, kept while the same arrays come back (Part 2's steady rows do).
-    bounds: each name the caller stages -> (dtype, the most values it holds), which sizes the buffers."""
+    bounds: each name the caller stages -> (dtype, the most values it holds), which sizes the buffers.
+    packed: pack on the CPU too, as on CUDA (for a subclass that sends the packed buffers on)."""
 
-    def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]]):
+    def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]], packed: bool = False):
         self.device, self.cuda, self.turn = device, device.type == "cuda", 0
+        self.packed = packed or self.cuda
         self.buffers, self.events, self.last = [{}, {}], [None, None], ({}, SimpleNamespace())
         sizes = {}
         for dtype, n in bounds.values():
             sizes[dtype] = sizes.get(dtype, 0) + n + STAGING_ALIGN_BYTES  # + each start's alignment padding
-        if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
+        if self.packed:  # sized up front: allocating pinned memory mid-run can synchronise the device
             for buffers in self.buffers:
                 for dtype, n in sizes.items():
-                    buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
+                    buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=self.cuda)
 
     def to_device(self, arrays: dict[str, np.ndarray]) -> SimpleNamespace:
-        if not self.cuda:
+        if not self.packed:
             if arrays.keys() != self.last[0].keys() or any(a is not self.last[0][k] for k, a in arrays.items()):
                 self.last = arrays, SimpleNamespace(**{k: torch.from_numpy(np.ascontiguousarray(a))
                                                        for k, a in arrays.items()})
@@ -345,7 +347,8 @@ class Staging:
         tensors = SimpleNamespace()
         for dtype, group in by_dtype.items():
             tensors.__dict__.update(self._copy(dtype, group))
-        self.events[self.turn] = torch.cuda.current_stream().record_event()
+        if self.cuda:
+            self.events[self.turn] = torch.cuda.current_stream().record_event()
         return tensors
 
     def _copy(self, dtype: np.dtype, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -355,8 +358,11 @@ class Staging:
         host = buf.numpy()
         for a, o in zip(arrays.values(), offsets):
             host[o:o + a.size] = a.ravel()
-        dev = buf[:total].to(self.device, non_blocking=True)  # one copy; the allocator aligns its start
+        dev = self.on_device(buf[:total])
         return {name: dev[o:o + a.size].view(a.shape) for (name, a), o in zip(arrays.items(), offsets)}
+
+    def on_device(self, packed: torch.Tensor) -> torch.Tensor:  # one copy (the allocator aligns its start)
+        return packed.to(self.device, non_blocking=True)
 
 
 def staged_bounds(tokens: int, requests: int, columns: int) -> dict[str, tuple[str, int]]:
@@ -375,6 +381,7 @@ class InputBuilder:
     Per-request state lives in persistent rows (block-table row, sampling settings) that change only when
     a request joins or gets a new block, so a step gathers rows instead of rebuilding them. Inputs still
     on the device (async: PLACEHOLDERs) are copied from the last step's sampled tokens, never read back."""
+    staging_type = Staging
 
     def __init__(self, cfg: "EngineConfig", vocab_size: int, max_blocks_per_seq: int):
         self.block_size, self.vocab_size = cfg.block_size, vocab_size
@@ -389,7 +396,7 @@ class InputBuilder:
         self.seed = np.zeros(rows, dtype=np.int64)
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
         bounds = staged_bounds(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_blocks_per_seq)
-        self.staging = Staging(torch.device(cfg.device), bounds)
+        self.staging = self.staging_type(torch.device(cfg.device), bounds)
         # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
         self.prev_tokens, self.prev_sampling, self._prev_index = None, (), None
 
@@ -425,6 +432,11 @@ class InputBuilder:
     # -- one step's tensors -----------------------------------------------------------------------------
     def prepare(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
+        host, scalars, sampling = self.host_inputs(plan)
+        return (*self.device_inputs(self.staging.to_device(host), *scalars), sampling)
+
+    def host_inputs(self, plan) -> tuple[dict, tuple, tuple]:
+        """The step's named host arrays, its host scalars (device_inputs' last arguments), its sampling requests."""
         rows = self.rows(plan)
         host, samples = self._decode(plan, rows) if plan.is_decode else self._mixed(plan, rows)
         sampling, srows = tuple(r for r, s in zip(plan.requests, samples) if s), rows[samples]
@@ -435,20 +447,22 @@ class InputBuilder:
         # Every input is the token the same request sampled last step, in the same order: one copy, no gather.
         same = plan.is_decode and plan.requests == self.prev_sampling and bool((host["input_ids"] == PLACEHOLDER).all())
         host.update(self._placeholders(plan, host["input_ids"] if not same else NO_INDEX, host["query_start_loc"]))
-        t = self.staging.to_device(host)
         qsl = host["query_start_loc"]
+        return host, (int((qsl[1:] - qsl[:-1]).max()), max_seq_len, not host["temperature"].any(),
+                      bool(self.filtered[srows].any()), same), sampling
+
+    def device_inputs(self, t: SimpleNamespace, max_query_len: int, max_seq_len: int, all_greedy: bool,
+                      need_filter: bool, same: bool) -> tuple[Batch, SamplingBatch]:
+        """The staged tensors t as a Batch and SamplingBatch; inputs still in flight come from its tokens."""
         batch = Batch(input_ids=t.input_ids, positions=t.positions, slot_mapping=t.slot_mapping,
                       query_start_loc=t.query_start_loc, seq_lens=t.seq_lens, block_table=t.block_table,
-                      logits_indices=t.logits_indices, max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-                      max_seq_len=max_seq_len)
+                      logits_indices=t.logits_indices, max_query_len=max_query_len, max_seq_len=max_seq_len)
         if same:
             batch.input_ids.copy_(self.prev_tokens)
-        elif len(host["fill_at"]):
+        elif t.fill_at.numel():
             batch.input_ids[t.fill_at] = self.prev_tokens[t.fill_from]
-        sbatch = SamplingBatch(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, seeds=t.seeds,
-                               counters=t.counters, all_greedy=not host["temperature"].any(),
-                               need_filter=bool(self.filtered[srows].any()))
-        return batch, sbatch, sampling
+        return batch, SamplingBatch(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, seeds=t.seeds,
+                                    counters=t.counters, all_greedy=all_greedy, need_filter=need_filter)
 
     def _decode(self, plan, rows) -> tuple[dict, np.ndarray]:
         """One token per request, at position start, and every request samples: all vectorised."""
@@ -524,14 +538,18 @@ class ModelRunner:
         """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
         batch, sbatch, sampling = self.inputs.prepare(plan)
         t0, start = time.perf_counter(), self.stats.now()
-        logits = self.graphs.run(batch) if self.graphs is not None else None
-        if logits is None:  # eager: the forward's activations are freed on return
-            logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
-        tokens = sample(logits, sbatch, self.model.ops.race_sample)
+        tokens = self.forward_and_sample(batch, sbatch)
         self.stats.end(start, prompt=not plan.is_decode)
         self.stats.forward_s += time.perf_counter() - t0
         self.inputs.sampled(plan, tokens, sampling)
         return tokens
+
+    def forward_and_sample(self, batch: Batch, sbatch: SamplingBatch) -> torch.Tensor:
+        """The forward (graphed or eager) and the sampler: (S,) tokens on the device."""
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # eager: the forward's activations are freed on return
+            logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
+        return sample(logits, sbatch, self.model.ops.race_sample)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -562,7 +580,7 @@ class Engine:
         mc = self.model.config
         self.max_model_len = max_model_len(cfg, mc)
         num_blocks = cfg.num_blocks or self._blocks_for_memory()
-        parts = engine_parts(cfg)  # RequestBook, Scheduler, InputBuilder, GraphRunner (tuned: Part 2's)
+        parts = engine_parts(cfg)  # RequestBook, Scheduler, InputBuilder, ModelRunner, GraphRunner (or later parts')
         self.book = parts.book(BlockManager(num_blocks, cfg.block_size), self.max_model_len, mc.eos_token_ids)
         self.scheduler = parts.scheduler(self.book, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         max_blocks = cdiv(self.max_model_len, cfg.block_size)
@@ -570,7 +588,7 @@ class Engine:
         # Finished, aborted or preempted requests give their rows back. The builder's bound method, not a
         # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
         self.book.on_release = inputs.release
-        self.runner = ModelRunner(self.model, cfg, num_blocks, max_blocks, inputs, parts.graphs)
+        self.runner = parts.runner(self.model, cfg, num_blocks, max_blocks, inputs, parts.graphs)
         self.stats = self.runner.stats  # StepStats: where the steps' time goes (run.py reads it)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
@@ -1346,7 +1364,7 @@ def engine_parts(cfg: EngineConfig) -> SimpleNamespace:
     steady = "steady" in cfg.tuned
     return SimpleNamespace(book=SteadyBook if steady else RequestBook,
                            scheduler=SteadyScheduler if steady else Scheduler,
-                           inputs=SteadyInputBuilder if steady else InputBuilder,
+                           inputs=SteadyInputBuilder if steady else InputBuilder, runner=ModelRunner,
                            graphs=BoundedGraphRunner if "decode_attention" in cfg.tuned else GraphRunner)
 
 
