@@ -3286,6 +3286,8 @@ def test_cli_generate_and_bench():
     r = cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and len(rec["token_ids"]) == 4 and rec["finish_reason"] == "length" and rec["ttft_s"] > 0
+    r = cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json", "--tensor-parallel-size", "2")
+    assert json.loads(r.stdout)["token_ids"] == rec["token_ids"] and not multiprocessing.active_children(), r.stderr
     r = cli("bench", "--num-requests", "3", "--min-len", "4", "--max-len", "12")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["output_tokens"] > 0 and rec["output_tok_s"] > 0
