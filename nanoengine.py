@@ -9,9 +9,10 @@ kernels.py (Triton kernels and their torch references: by path, see own_kernels)
 blocks, batching, and the Batch type) and graphs.py (CUDA graphs per bucket). run.py is the command line.
 
 Part 1 is the chapter: the model calls the Part 1 kernels by name, the runner turns each plan into a
-Batch of device tensors, and the engine plans step s+1 while step s runs (step_async). Part 2, at the end,
-is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the steady-decode host path.
-The forward never reads a batch value back to the host, so a CUDA graph can hold it.
+Batch of device tensors, and the engine plans step s+1 while step s runs (step_async). Part 2, after it,
+is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the steady-decode host path; Part 3,
+at the end, tensor parallel (EngineConfig.tensor_parallel_size). The forward never reads a batch value back to
+the host, so a CUDA graph can hold it.
 """
 import contextlib
 import gc
@@ -1653,7 +1654,6 @@ class SteadyInputBuilder(InputBuilder):
                 d.block_table[entering, cols] = blocks  # in place: on the CPU the array keeps its staged view
             else:  # the longest request has entered a new block: one more column
                 d.block_table = self._block_table(d.rows, d.max_seq_len)
-
 
 
 # ----------------------------------------------------------------------------------------------------------
