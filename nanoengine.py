@@ -9,19 +9,26 @@ kernels.py (Triton kernels and their torch references: by path, see own_kernels)
 blocks, batching, and the Batch type) and graphs.py (CUDA graphs per bucket). run.py is the command line.
 
 Part 1 is the chapter: the model calls the Part 1 kernels by name, the runner turns each plan into a
-Batch of device tensors, and the engine plans step s+1 while step s runs (step_async). Part 2, at the end,
-is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the steady-decode host path.
-The forward never reads a batch value back to the host, so a CUDA graph can hold it.
+Batch of device tensors, and the engine plans step s+1 while step s runs (step_async). Part 2, after it,
+is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the steady-decode host path; Part 3,
+at the end, tensor parallel (EngineConfig.tensor_parallel_size). The forward never reads a batch value back to
+the host, so a CUDA graph can hold it.
 """
+import contextlib
 import gc
 import importlib.util
 import json
 import math
+import multiprocessing as mp
+import multiprocessing.connection
 import os
 import random
+import socket
 import sys
 import time
+import traceback
 import typing
+import weakref
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import SimpleNamespace
@@ -29,6 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch._dynamo  # noqa: F401 (imported first under the meta device, it would leave cycles holding an Engine)
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -317,21 +325,23 @@ class Staging:
     packed into pinned buffers and copied without blocking; two buffers alternate so the host can fill one
     while the other's copy may still be queued behind the step in flight (an event guards the reuse). On the
     CPU the tensors are zero-copy views, kept while the same arrays come back (Part 2's steady rows do).
-    bounds: each name the caller stages -> (dtype, the most values it holds), which sizes the buffers."""
+    bounds: each name the caller stages -> (dtype, the most values it holds), which sizes the buffers.
+    packed: pack on the CPU too, as on CUDA (for a subclass that sends the packed buffers on)."""
 
-    def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]]):
+    def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]], packed: bool = False):
         self.device, self.cuda, self.turn = device, device.type == "cuda", 0
+        self.packed = packed or self.cuda
         self.buffers, self.events, self.last = [{}, {}], [None, None], ({}, SimpleNamespace())
         sizes = {}
         for dtype, n in bounds.values():
             sizes[dtype] = sizes.get(dtype, 0) + n + STAGING_ALIGN_BYTES  # + each start's alignment padding
-        if self.cuda:  # sized up front: allocating pinned memory mid-run can synchronise the device
+        if self.packed:  # sized up front: allocating pinned memory mid-run can synchronise the device
             for buffers in self.buffers:
                 for dtype, n in sizes.items():
-                    buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=True)
+                    buffers[np.dtype(dtype)] = torch.empty(n, dtype=getattr(torch, dtype), pin_memory=self.cuda)
 
     def to_device(self, arrays: dict[str, np.ndarray]) -> SimpleNamespace:
-        if not self.cuda:
+        if not self.packed:
             if arrays.keys() != self.last[0].keys() or any(a is not self.last[0][k] for k, a in arrays.items()):
                 self.last = arrays, SimpleNamespace(**{k: torch.from_numpy(np.ascontiguousarray(a))
                                                        for k, a in arrays.items()})
@@ -345,7 +355,8 @@ class Staging:
         tensors = SimpleNamespace()
         for dtype, group in by_dtype.items():
             tensors.__dict__.update(self._copy(dtype, group))
-        self.events[self.turn] = torch.cuda.current_stream().record_event()
+        if self.cuda:
+            self.events[self.turn] = torch.cuda.current_stream().record_event()
         return tensors
 
     def _copy(self, dtype: np.dtype, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -355,8 +366,11 @@ class Staging:
         host = buf.numpy()
         for a, o in zip(arrays.values(), offsets):
             host[o:o + a.size] = a.ravel()
-        dev = buf[:total].to(self.device, non_blocking=True)  # one copy; the allocator aligns its start
+        dev = self.on_device(buf[:total])
         return {name: dev[o:o + a.size].view(a.shape) for (name, a), o in zip(arrays.items(), offsets)}
+
+    def on_device(self, packed: torch.Tensor) -> torch.Tensor:  # one copy (the allocator aligns its start)
+        return packed.to(self.device, non_blocking=True)
 
 
 def staged_bounds(tokens: int, requests: int, columns: int) -> dict[str, tuple[str, int]]:
@@ -375,6 +389,7 @@ class InputBuilder:
     Per-request state lives in persistent rows (block-table row, sampling settings) that change only when
     a request joins or gets a new block, so a step gathers rows instead of rebuilding them. Inputs still
     on the device (async: PLACEHOLDERs) are copied from the last step's sampled tokens, never read back."""
+    staging_type = Staging
 
     def __init__(self, cfg: "EngineConfig", vocab_size: int, max_blocks_per_seq: int):
         self.block_size, self.vocab_size = cfg.block_size, vocab_size
@@ -389,7 +404,7 @@ class InputBuilder:
         self.seed = np.zeros(rows, dtype=np.int64)
         self.filtered = np.zeros(rows, dtype=bool)  # uses top-k or top-p: the sampler must sort
         bounds = staged_bounds(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_blocks_per_seq)
-        self.staging = Staging(torch.device(cfg.device), bounds)
+        self.staging = self.staging_type(torch.device(cfg.device), bounds)
         # The last step's sampled tokens and whose they are: PLACEHOLDER inputs are copied from there.
         self.prev_tokens, self.prev_sampling, self._prev_index = None, (), None
 
@@ -425,6 +440,11 @@ class InputBuilder:
     # -- one step's tensors -----------------------------------------------------------------------------
     def prepare(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
         """Host lists -> device tensors. Returns the batch, the sampling batch, and the sampling requests."""
+        host, scalars, sampling = self.host_inputs(plan)
+        return (*self.device_inputs(self.staging.to_device(host), *scalars), sampling)
+
+    def host_inputs(self, plan) -> tuple[dict, tuple, tuple]:
+        """The step's named host arrays, its host scalars (device_inputs' last arguments), its sampling requests."""
         rows = self.rows(plan)
         host, samples = self._decode(plan, rows) if plan.is_decode else self._mixed(plan, rows)
         sampling, srows = tuple(r for r, s in zip(plan.requests, samples) if s), rows[samples]
@@ -435,20 +455,22 @@ class InputBuilder:
         # Every input is the token the same request sampled last step, in the same order: one copy, no gather.
         same = plan.is_decode and plan.requests == self.prev_sampling and bool((host["input_ids"] == PLACEHOLDER).all())
         host.update(self._placeholders(plan, host["input_ids"] if not same else NO_INDEX, host["query_start_loc"]))
-        t = self.staging.to_device(host)
         qsl = host["query_start_loc"]
+        return host, (int((qsl[1:] - qsl[:-1]).max()), max_seq_len, not host["temperature"].any(),
+                      bool(self.filtered[srows].any()), same), sampling
+
+    def device_inputs(self, t: SimpleNamespace, max_query_len: int, max_seq_len: int, all_greedy: bool,
+                      need_filter: bool, same: bool) -> tuple[Batch, SamplingBatch]:
+        """The staged tensors t as a Batch and SamplingBatch; inputs still in flight come from its tokens."""
         batch = Batch(input_ids=t.input_ids, positions=t.positions, slot_mapping=t.slot_mapping,
                       query_start_loc=t.query_start_loc, seq_lens=t.seq_lens, block_table=t.block_table,
-                      logits_indices=t.logits_indices, max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-                      max_seq_len=max_seq_len)
+                      logits_indices=t.logits_indices, max_query_len=max_query_len, max_seq_len=max_seq_len)
         if same:
             batch.input_ids.copy_(self.prev_tokens)
-        elif len(host["fill_at"]):
+        elif t.fill_at.numel():
             batch.input_ids[t.fill_at] = self.prev_tokens[t.fill_from]
-        sbatch = SamplingBatch(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, seeds=t.seeds,
-                               counters=t.counters, all_greedy=not host["temperature"].any(),
-                               need_filter=bool(self.filtered[srows].any()))
-        return batch, sbatch, sampling
+        return batch, SamplingBatch(temperature=t.temperature, top_k=t.top_k, top_p=t.top_p, seeds=t.seeds,
+                                    counters=t.counters, all_greedy=all_greedy, need_filter=need_filter)
 
     def _decode(self, plan, rows) -> tuple[dict, np.ndarray]:
         """One token per request, at position start, and every request samples: all vectorised."""
@@ -524,14 +546,18 @@ class ModelRunner:
         """Launch one step; returns the sampled tokens (S,) on the device, without waiting for them."""
         batch, sbatch, sampling = self.inputs.prepare(plan)
         t0, start = time.perf_counter(), self.stats.now()
-        logits = self.graphs.run(batch) if self.graphs is not None else None
-        if logits is None:  # eager: the forward's activations are freed on return
-            logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
-        tokens = sample(logits, sbatch, self.model.ops.race_sample)
+        tokens = self.forward_and_sample(batch, sbatch)
         self.stats.end(start, prompt=not plan.is_decode)
         self.stats.forward_s += time.perf_counter() - t0
         self.inputs.sampled(plan, tokens, sampling)
         return tokens
+
+    def forward_and_sample(self, batch: Batch, sbatch: SamplingBatch) -> torch.Tensor:
+        """The forward (graphed or eager) and the sampler: (S,) tokens on the device."""
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # eager: the forward's activations are freed on return
+            logits = self.model.compute_logits(self.model(batch, self.kv_cache)[batch.logits_indices])
+        return sample(logits, sbatch, self.model.ops.race_sample)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -562,7 +588,7 @@ class Engine:
         mc = self.model.config
         self.max_model_len = max_model_len(cfg, mc)
         num_blocks = cfg.num_blocks or self._blocks_for_memory()
-        parts = engine_parts(cfg)  # RequestBook, Scheduler, InputBuilder, GraphRunner (tuned: Part 2's)
+        parts = engine_parts(cfg)  # RequestBook, Scheduler, InputBuilder, ModelRunner, GraphRunner (or later parts')
         self.book = parts.book(BlockManager(num_blocks, cfg.block_size), self.max_model_len, mc.eos_token_ids)
         self.scheduler = parts.scheduler(self.book, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         max_blocks = cdiv(self.max_model_len, cfg.block_size)
@@ -570,7 +596,7 @@ class Engine:
         # Finished, aborted or preempted requests give their rows back. The builder's bound method, not a
         # closure over self: nothing refers back to the engine, so dropping it frees it by refcount alone.
         self.book.on_release = inputs.release
-        self.runner = ModelRunner(self.model, cfg, num_blocks, max_blocks, inputs, parts.graphs)
+        self.runner = parts.runner(self.model, cfg, num_blocks, max_blocks, inputs, parts.graphs)
         self.stats = self.runner.stats  # StepStats: where the steps' time goes (run.py reads it)
         self.rng = random.Random(cfg.seed)
         self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
@@ -1178,6 +1204,7 @@ class EngineConfig:
     graph_buckets: tuple | None = None   # decode buckets; None: graphs.default_buckets(max_num_seqs)
     graph_token_buckets: tuple | None = None  # prompt buckets; None: graphs.default_token_buckets(...)
     async_scheduling: bool = False       # LLM.generate plans step s+1 while step s runs
+    tensor_parallel_size: int = 1        # processes (ranks), each with 1/N of the weights: Part 3
 
     def __post_init__(self):
         self._check_types()
@@ -1186,7 +1213,7 @@ class EngineConfig:
         require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks, "None or >= 1")
         require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
                 "in (0, 1]")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                 "None (the model's) or >= 2: a prompt token and one generated")
@@ -1204,6 +1231,8 @@ class EngineConfig:
         if self.triton is None:
             self.triton = self.device.startswith("cuda")
         self.tuned = tuned_variants(self.tuned) if self.fuse else frozenset()
+        if tensor_parallel(self):  # steady keeps staged rows from step to step: other ranks could not follow
+            self.tuned -= {"steady"}
         for name in ("triton_linear_rows", "triton_narrow_rows"):
             rows, limit = getattr(self, name), kernels.LINEAR_MAX_M
             require(rows is None or 0 <= rows <= limit, name, rows, f"None or in [0, {limit}]")
@@ -1232,9 +1261,10 @@ class EngineConfig:
             device = None
         require(device is not None and device.type in ("cpu", "cuda"), "device", self.device,
                 "'cpu', 'cuda' or 'cuda:N'")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():  # 0 without CUDA
-            raise ValueError(f"device={self.device!r} but torch sees {torch.cuda.device_count()} CUDA devices; "
-                             "use device='cpu' or a lower index")
+        if device.type == "cuda" and (device.index or 0) + self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} (rank r "
+                             f"on the r-th GPU from it) but torch sees {torch.cuda.device_count()} CUDA devices; "
+                             "use device='cpu', a lower index or fewer ranks")
 
 
 # The tuned path's variants, each a switch of EngineConfig.tuned (Part 2, below; BENCHMARKS.md: what each buys)
@@ -1351,8 +1381,10 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
     hf, folder = read_model_config(cfg.model)
     mcfg = ModelConfig.from_hf(hf, where=f"model={cfg.model!r} config")
     layer_type = TunedDecoderLayer if cfg.tuned & {"gemv", "decode_attention"} else DecoderLayer
+    max_len = max_model_len(cfg, mcfg)  # checked before Part 3 starts any process
+    group = TPGroup.start(cfg, mcfg) if tensor_parallel(cfg) else None  # Part 3: this rank's place
     with torch.device("meta"):  # no memory and no init until the real device is known
-        model = Model(mcfg, layer_type)
+        model = Model(mcfg, layer_type) if group is None else TPModel(mcfg, layer_type, group)
     model = model.to(getattr(torch, cfg.dtype)).to_empty(device=cfg.device)
     if mcfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -1360,23 +1392,29 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
         init_random(model, cfg.seed)
     else:
         load_weights(model, folder)
-    model.cos_sin = rope_cos_sin(mcfg, max_model_len(cfg, mcfg), cfg.device)
+    if group is not None:
+        model.shard()
+    model.cos_sin = rope_cos_sin(mcfg, max_len, cfg.device)
     if cfg.fuse:
         model.fuse()
         model.ops = textbook_ops(cfg.triton)
         if cfg.tuned:  # Part 2 attaches here: its ops and (TunedDecoderLayer, above) its layers
             model.ops = tuned_ops(model.ops, cfg, mcfg)
         model.graph_safe = cfg.triton  # every op a sync-free Triton launch
+    if group is not None:
+        model.ops = tp_ops(model.ops)
     # No autograd: the fused weights are new Parameters, and entering inference_mode each step costs host time.
     return model.eval().requires_grad_(False), folder
 
 
 def engine_parts(cfg: EngineConfig) -> SimpleNamespace:
-    """The classes an Engine is built from: the chapter's, or Part 2's subclasses where cfg.tuned names them."""
-    steady = "steady" in cfg.tuned
+    """The classes an Engine is built from: the chapter's, or Part 2's subclasses where cfg.tuned names them,
+    or Part 3's under tensor parallelism."""
+    steady, tp = "steady" in cfg.tuned, tensor_parallel(cfg)
     return SimpleNamespace(book=SteadyBook if steady else RequestBook,
                            scheduler=SteadyScheduler if steady else Scheduler,
-                           inputs=SteadyInputBuilder if steady else InputBuilder,
+                           inputs=TPInputBuilder if tp else SteadyInputBuilder if steady else InputBuilder,
+                           runner=TPRunner if tp else ModelRunner,
                            graphs=BoundedGraphRunner if "decode_attention" in cfg.tuned else GraphRunner)
 
 
@@ -1620,3 +1658,304 @@ class SteadyInputBuilder(InputBuilder):
                 d.block_table[entering, cols] = blocks  # in place: on the CPU the array keeps its staged view
             else:  # the longest request has entered a new block: one more column
                 d.block_table = self._block_table(d.rows, d.max_seq_len)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Part 3: tensor parallel (EngineConfig.tensor_parallel_size). Each rank is a process with a share of every
+# weight, running the same forward; rank 0 is the engine's own process (API, scheduler) and sends each step's
+# inputs to the others. It attaches in build_model (TPGroup, TPModel, tp_ops) and engine_parts (TPInputBuilder,
+# TPRunner). Every rank samples the same tokens: they all hold the same gathered logits, and the sampler is a
+# pure function of (seed, token index, id); so a rank's async placeholders come from its own sampled tokens.
+TP_HOST = "127.0.0.1"  # every socket of the group listens on loopback: nothing outside the machine can join
+TP_GLOO = "nanoengine_gloo"  # gloo on TP_HOST (plain gloo listens wherever the hostname resolves)
+TP_SCALARS = 5  # InputBuilder.host_inputs' scalars: max_query_len, max_seq_len, all_greedy, need_filter, same
+TP_HEADER = 1 + 2 * len(staged_bounds(1, 1, 1)) + TP_SCALARS  # a step's header: stop, each array's shape, scalars
+TP_WAIT_S = 5.0  # how long a rank is waited for (to stop, or to report its error) before it is killed
+
+
+def tensor_parallel(cfg: EngineConfig) -> bool:
+    """Whether Part 3 runs: the one place that says so (a test runs it with one rank, in a group of one)."""
+    return cfg.tensor_parallel_size > 1
+
+
+class TPGroup:
+    """This process's place among the ranks: its rank and their number; on rank 0 also the other ranks'
+    processes and their error pipes. close() (a second call does nothing) and the last reference stop every
+    rank and leave the group, so no process, port or socket outlives it."""
+
+    def __init__(self, cfg: EngineConfig, rank: int):
+        self.rank, self.size, self.procs, self.errors, self.failed = rank, cfg.tensor_parallel_size, [], [], None
+        self.state = SimpleNamespace(serving=False)  # True once the other ranks wait for step headers
+        self.close = weakref.finalize(self, stop_ranks, self.procs, self.errors, self.state)
+
+    @classmethod
+    def start(cls, cfg: EngineConfig, mcfg: ModelConfig) -> "TPGroup":
+        """A worker's place (tp_worker has joined the group), or rank 0's: it starts the others and joins them."""
+        n, kv = cfg.tensor_parallel_size, mcfg.num_kv_heads
+        require(kv % n == 0 or n % kv == 0, "tensor_parallel_size", n, f"a divisor or a multiple of "
+                f"num_key_value_heads={kv} (model={cfg.model!r}): each rank gets its kv heads, or a copy of one")
+        for name, size in dict(num_attention_heads=mcfg.num_heads, intermediate_size=mcfg.intermediate_size,
+                               moe_intermediate_size=mcfg.moe_intermediate_size, vocab_size=mcfg.vocab_size).items():
+            require(size % n == 0, "tensor_parallel_size", n, f"a divisor of {name}={size} (model={cfg.model!r})")
+        if dist.is_initialized():
+            require(dist.get_rank() > 0, "tensor_parallel_size", n, "1 in a process that is in a torch.distributed "
+                    "group already (close() the engine that made it)")
+            return cls(cfg, dist.get_rank())
+        group, listener = cls(cfg, 0), socket.create_server((TP_HOST, 0))  # port 0: a free one, picked now
+        store = dist.TCPStore(TP_HOST, listener.getsockname()[1], n, is_master=True, wait_for_workers=False,
+                              master_listen_fd=listener.detach())  # the store owns the socket, and closes it
+        spawn = mp.get_context("spawn")  # a fresh interpreter: a forked one could not use CUDA
+        for rank in range(1, n):
+            errors, sender = spawn.Pipe(duplex=False)
+            group.procs.append(spawn.Process(target=tp_worker, args=(cfg, rank, store.port, sender), daemon=True))
+            group.procs[-1].start()
+            sender.close()  # the worker's end: once it exits, ours reads as closed
+            group.errors.append(errors)
+        while not store.check([f"rank{r}" for r in range(1, n)]):  # one that fails to start is reported
+            group.check(wait=0.01)
+        join_group(cfg, 0, store)
+        return group
+
+    def check(self, wait: float = 0.0, cause: Exception | None = None):
+        """Raise one clear error, and stop every rank, if a rank has failed: its pipe holds its traceback, or
+        reads as closed (it exited); `wait` s for one to, as a collective that raised (`cause`) means one is."""
+        if self.failed is None:
+            ready = mp.connection.wait(self.errors, timeout=wait)
+            if not ready and cause is None:
+                return
+            self.failed = f"rank 0 raised {cause!r}"
+            if ready:
+                rank = self.errors.index(ready[0]) + 1
+                proc = self.procs[rank - 1]
+                try:
+                    self.failed = f"rank {rank} (pid {proc.pid}) raised:\n{ready[0].recv()}"
+                except EOFError:  # it ended without a word: killed, or crashed below Python
+                    proc.join(TP_WAIT_S)
+                    self.failed = f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+            self.failed = f"tensor parallel: {self.failed}\nEvery rank is stopped: close() this engine, make a new one."
+            self.state.serving = False  # the ranks are out of step: signals stop them, not a header
+            self.close()
+        raise RuntimeError(self.failed) from cause
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Collectives inside: a rank that failed before is reported first, one that fails meanwhile (gloo
+        raises when a peer is gone) by its own error; any other error stops every rank too."""
+        self.check()
+        try:
+            yield
+        except RuntimeError as e:
+            self.check(TP_WAIT_S, e)
+        except BaseException:
+            self.state.serving = False
+            self.close()
+            raise
+
+
+def join_group(cfg: EngineConfig, rank: int, store):
+    """Join the default process group: gloo on loopback for host tensors (the step headers), NCCL for CUDA ones."""
+    def loopback_gloo(store, rank: int, size: int, timeout):
+        options = dist.ProcessGroupGloo._Options()
+        options._devices, options._timeout = [dist.ProcessGroupGloo.create_device(hostname=TP_HOST)], timeout
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    if TP_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(TP_GLOO, loopback_gloo, devices=["cpu"])
+    backend = f"cpu:{TP_GLOO},cuda:nccl" if cfg.device.startswith("cuda") else TP_GLOO
+    dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.tensor_parallel_size)
+
+
+def stop_ranks(procs: list, errors: list, state: SimpleNamespace):
+    """TPGroup's end: the other ranks stopped (a stop header where they wait for one, else a signal), then the
+    group left. A function of the group's parts, not of the group: weakref.finalize calls it once it is gone."""
+    if procs and state.serving:
+        with contextlib.suppress(RuntimeError):  # a rank is gone already: the signals below stop the rest
+            dist.broadcast(torch.tensor([1] + [0] * (TP_HEADER - 1)), 0)
+    for proc in procs:
+        if not state.serving:
+            proc.terminate()
+        proc.join(TP_WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for pipe in errors:
+        pipe.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_worker(cfg: EngineConfig, rank: int, port: int, errors):
+    """A rank other than 0, in its own process: join rank 0's group, build the same engine on this rank's share
+    (the same collectives, in the same order), then run rank 0's steps until it sends stop. An error goes to
+    rank 0 before the process exits."""
+    try:
+        if cfg.device.startswith("cuda"):  # rank r on the r-th GPU from the engine's
+            cfg = replace(cfg, device=f"cuda:{(torch.device(cfg.device).index or 0) + rank}")
+            torch.cuda.set_device(cfg.device)
+        torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))  # the CPU's cores, shared
+        store = dist.TCPStore(TP_HOST, port, cfg.tensor_parallel_size)
+        store.set(f"rank{rank}", "up")
+        join_group(cfg, rank, store)
+        engine = Engine(cfg)
+        engine.runner.serve()
+    except BaseException:  # KeyboardInterrupt too: rank 0 must hear of it
+        errors.send(traceback.format_exc())
+        sys.exit(1)
+
+
+class VocabEmbedding(nn.Embedding):
+    """A rank's rows of the embedding, ids [start, start + rows): an id outside them looks up zeros, and the
+    all-reduce at the first add_rmsnorm sums the ranks' lookups into the embedding."""
+
+    def __init__(self, weight: torch.Tensor, start: int):
+        super().__init__(*weight.shape, _weight=weight)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        return F.embedding(local * mine, self.weight) * mine[:, None]  # (T, hidden)
+
+
+class TPModel(Model):
+    """A rank's Model. After shard(), its config is the rank's shape: its heads and kv heads (they size its KV
+    cache), and the whole vocabulary, as its logits are gathered whole."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: type, group: TPGroup):
+        super().__init__(cfg, layer_type)
+        self.group = group
+
+    def shard(self):
+        """Keep this rank's share of every weight, before fusion (the fused [q; k; v] and [gate; up] are then
+        this rank's): q, k and v by heads (where ranks outnumber kv heads, each goes to size / kv of them),
+        gate and up by rows of the intermediate (the MLP's, each expert's), o_proj and down_proj by columns
+        (their outputs are partial sums: the next add_rmsnorm's all-reduce adds them), the vocabulary."""
+        cfg, r, n = self.config, self.group.rank, self.group.size
+        h, kv, d = cfg.num_heads // n, max(cfg.num_kv_heads // n, 1), cfg.head_dim
+        for layer in self.model.layers:
+            attn, kv0 = layer.self_attn, r * cfg.num_kv_heads // n  # this rank's first kv head
+            for proj, first, heads in ((attn.q_proj, r * h, h), (attn.k_proj, kv0, kv), (attn.v_proj, kv0, kv)):
+                self.keep(proj, 0, first * d, heads * d)
+            self.keep(attn.o_proj, 1, r * h * d, h * d, bias=r == 0)
+            attn.H, attn.Hkv = h, kv
+            for mlp in getattr(layer.mlp, "experts", [layer.mlp]):
+                i = mlp.down_proj.weight.shape[1] // n
+                for proj, dim in ((mlp.gate_proj, 0), (mlp.up_proj, 0), (mlp.down_proj, 1)):
+                    self.keep(proj, dim, r * i, i)
+        v = cfg.vocab_size // n
+        self.model.embed_tokens = VocabEmbedding(self.model.embed_tokens.weight[r * v:(r + 1) * v].clone(), r * v)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.keep(self.lm_head, 0, r * v, v)
+        self.config = replace(cfg, num_heads=h, num_kv_heads=kv)
+
+    @staticmethod
+    def keep(linear: nn.Linear, dim: int, start: int, length: int, bias: bool = True):
+        """Keep rows (dim 0, the bias's too) or columns (dim 1: the bias is added once, after the sum, where bias)."""
+        linear.weight = nn.Parameter(linear.weight.narrow(dim, start, length).clone())
+        if linear.bias is not None and (dim == 0 or not bias):
+            linear.bias = nn.Parameter(linear.bias.narrow(0, start, length).clone()) if dim == 0 else None
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(S, vocab): this rank's columns (its rows of lm_head), gathered from every rank (into out if given)."""
+        local = super().compute_logits(hidden)  # (S, vocab / size)
+        parts = local.new_empty(self.group.size, *local.shape)
+        dist.all_gather(list(parts.unbind(0)), local)  # (size, S, vocab / size)
+        out = local.new_empty(local.shape[0], self.config.vocab_size) if out is None else out
+        out.view(local.shape[0], self.group.size, local.shape[1]).copy_(parts.transpose(0, 1))
+        return out
+
+
+def tp_ops(ops: SimpleNamespace) -> SimpleNamespace:
+    """ops whose add_rmsnorm and add_rmsnorm_linear sum x over the ranks first. x is the embedding, or an o_proj,
+    MLP or MoE output: every partial sum meets the residual stream there, so a layer's two all-reduces (and the
+    embedding's and the final norm's) are theirs. A new namespace: Part 2's add_rmsnorm_then_linear keeps the
+    old one's add_rmsnorm, so x is summed once."""
+    def all_reduced(op, x: torch.Tensor, *args, **kwargs):
+        dist.all_reduce(x)
+        return op(x, *args, **kwargs)
+    new = SimpleNamespace(**vars(ops))
+    for name in {"add_rmsnorm", "add_rmsnorm_linear"} & vars(ops).keys():
+        setattr(new, name, partial(all_reduced, getattr(ops, name)))
+    return new
+
+
+class TPStaging(Staging):
+    """Staging among the ranks, with no Python object pickled: rank 0 broadcasts a header of int64s (stop, each
+    array's shape, the step's host scalars), then each packed per-dtype buffer just after its one copy to the
+    device (on CUDA over NCCL, the header over gloo); the others receive them into buffers of their own and
+    take the same views (receive)."""
+
+    def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]]):
+        super().__init__(device, bounds, packed=True)
+        self.bounds = bounds  # its names' order is the packing order on every rank
+
+    def to_device(self, arrays: dict[str, np.ndarray], scalars: tuple) -> SimpleNamespace:
+        arrays = {name: arrays[name] for name in self.bounds}
+        assert all(a.dtype == np.dtype(self.bounds[k][0]) for k, a in arrays.items()), "an array's dtype changed"
+        shapes = [n for a in arrays.values() for n in (*a.shape, -1)[:2]]  # -1: a one-dimensional array's
+        dist.broadcast(torch.tensor([0, *shapes, *scalars]), 0)
+        return super().to_device(arrays)
+
+    def on_device(self, packed: torch.Tensor) -> torch.Tensor:
+        dev = super().on_device(packed)
+        dist.broadcast(dev, 0)
+        return dev
+
+    def receive(self) -> list | None:
+        """A step's tensors and host scalars from rank 0 (device_inputs' arguments), or None when it says stop."""
+        header = torch.empty(TP_HEADER, dtype=torch.int64)
+        dist.broadcast(header, 0)
+        stop, *header = header.tolist()
+        if stop:
+            return None
+        shapes = {name: tuple(n for n in header[2 * i:2 * i + 2] if n >= 0) for i, name in enumerate(self.bounds)}
+        tensors = {}
+        for dtype in dict.fromkeys(d for d, _ in self.bounds.values()):  # as rank 0's to_device groups them
+            names = [name for name, (d, _) in self.bounds.items() if d == dtype]
+            sizes = [math.prod(shapes[name]) for name in names]
+            offsets, total = aligned_offsets(sizes, np.dtype(dtype).itemsize)
+            dev = torch.empty(total, dtype=getattr(torch, dtype), device=self.device)
+            dist.broadcast(dev, 0)
+            tensors.update({name: dev[o:o + n].view(shapes[name]) for name, o, n in zip(names, offsets, sizes)})
+        return [SimpleNamespace(**tensors), *header[2 * len(self.bounds):]]
+
+
+class TPInputBuilder(InputBuilder):
+    """Rank 0's InputBuilder sends each step's inputs (TPStaging); the others' build the same Batch and
+    SamplingBatch from them, with the same code (device_inputs: TPRunner.serve)."""
+    staging_type = TPStaging
+
+    def prepare(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
+        host, scalars, sampling = self.host_inputs(plan)
+        return (*self.device_inputs(self.staging.to_device(host, scalars), *scalars), sampling)
+
+
+class TPRunner(ModelRunner):
+    """A rank's ModelRunner: the same KV cache and graphs on every rank, captured in the same order (their
+    collectives pair up). Rank 0's launches the engine's steps, each watched for a failed rank; the others'
+    serve() rank 0's steps until it says stop."""
+
+    def __init__(self, model: TPModel, cfg: EngineConfig, num_blocks: int, *args):
+        with model.group.watch():
+            blocks = torch.tensor([num_blocks, -num_blocks], device=cfg.device)
+            dist.all_reduce(blocks, dist.ReduceOp.MIN)  # the fewest, and minus the most
+            fewest, most = blocks[0].item(), -blocks[1].item()
+            if fewest != most:  # rank 0 could hand out a block another rank lacks
+                raise ValueError(f"the ranks sized their KV caches from {fewest} to {most} blocks (the GPUs' free "
+                                 "memory differs): give num_blocks")
+            super().__init__(model, cfg, num_blocks, *args)
+        model.group.state.serving = True
+
+    def execute(self, plan) -> torch.Tensor:
+        with self.model.group.watch():
+            return super().execute(plan)
+
+    def serve(self):
+        while (step := self.inputs.staging.receive()) is not None:
+            self.inputs.sampled(None, self.forward_and_sample(*self.inputs.device_inputs(*step)), ())
+
+    def close(self):
+        if self.model is not None:
+            self.model.group.close()
+        super().close()

@@ -49,7 +49,7 @@ CPU_CONFIGS = ("eager", "fused", "fused+async", "tuned")
 CUDA_CONFIGS = ("eager", "fused", "fused+graphs", "fused+graphs+async", "tuned")
 # The flags named as EngineConfig fields, which the commands that have them pass on as they are
 ENGINE_FLAGS = ("model", "dtype", "tuned", "enforce_eager", "triton_linear_rows", "triton_narrow_rows", "num_blocks",
-                "max_num_seqs", "max_num_batched_tokens", "cudagraph_mode", "device")
+                "max_num_seqs", "max_num_batched_tokens", "cudagraph_mode", "device", "tensor_parallel_size")
 
 
 def emit(record: dict):
@@ -549,6 +549,8 @@ def make_parser() -> Parser:
                              "or '-a,-b' for all but those (default: all for the speed commands, bench, online and "
                              "overhead's `tuned` row; none for generate)")
     common.add_argument("--no-tuned", dest="tuned", action="store_false", help="the chapter's path only (default: off)")
+    common.add_argument("--tensor-parallel-size", type=positive, default=1, help="processes (ranks), each with 1/N "
+                        "of the weights: tensor parallel, Part 3 (default: %(default)s)")
     rows = Parser(add_help=False)
     rows.add_argument("--triton-linear-rows", type=int, help="tuned: matmuls of up to N rows (0-256) in Triton, not "
                       "cuBLAS (default: by the model on CUDA, 0 on the CPU)")

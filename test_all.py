@@ -93,6 +93,14 @@ named here fails test_the_index_names_every_test.
     on the GPU: no sync in the forward or the async loop; float32 tokens; async equals sync with graphs
         test_gpu_fused_forward_never_syncs, test_gpu_triton_float32_matches_reference,
         test_gpu_async_loop_never_syncs_but_for_its_event, test_gpu_async_equals_sync_with_graphs
+    Part 3, tensor parallel (two ranks, gloo, float32): one rank's tokens through every scheduler path, sync and
+    async, from shards that are halves of its weights; biases added once, a kv head copied; engines come and go
+    leaving no process or port; a rank that dies or raises is one clear error; KV caches sized apart are refused
+        test_tp_two_ranks_give_one_ranks_tokens, test_tp_biases_added_once_and_kv_heads_copied,
+        test_tp_engines_come_and_go_leaving_no_process_or_port, test_tp_a_rank_that_dies_or_raises_is_one_clear_error,
+        test_tp_ranks_that_size_their_kv_caches_apart_are_refused
+    on the GPU: a group of one (NCCL) in CUDA graphs; two ranks on two GPUs
+        test_gpu_tp_a_group_of_one_in_graphs_gives_the_same_tokens, test_gpu_tp_two_gpus_give_one_gpus_tokens
   run.py: the command line
     the overhead ladder, floors, help, generate (--stream), bench, online, bad input in one line
         test_cli_overhead_prints_every_configuration, test_cli_floors_use_the_bandwidth_given_or_measured,
@@ -163,8 +171,10 @@ import itertools
 import json
 import linecache
 import math
+import multiprocessing
 import random
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -2868,6 +2878,12 @@ BAD_INPUT = [
     ("graph_buckets an int", lambda s: EngineConfig(graph_buckets=8), TypeError, "graph_buckets=8 has type int"),
     ("graph_token_buckets empty", lambda s: EngineConfig(graph_token_buckets=()), ValueError,
      "graph_token_buckets=() is invalid: it must be None or sizes >= 1"),
+    ("tensor_parallel_size 0", lambda s: EngineConfig(tensor_parallel_size=0), ValueError,
+     "tensor_parallel_size=0 is invalid: it must be >= 1"),
+    ("tensor_parallel_size 3 of 4 kv heads", lambda s: LLM("tiny", tensor_parallel_size=3), ValueError,
+     "tensor_parallel_size=3 is invalid: it must be a divisor or a multiple of num_key_value_heads=4 (model='tiny')"),
+    ("tensor_parallel_size 16 of 8 heads", lambda s: LLM("tiny", tensor_parallel_size=16), ValueError,
+     "tensor_parallel_size=16 is invalid: it must be a divisor of num_attention_heads=8 (model='tiny')"),
     ("an unknown setting", lambda s: LLM("tiny", max_seqs=4), TypeError, "max_seqs"),
     ("Engine given a model name", lambda s: nanoengine.Engine("tiny"), TypeError,
      "cfg='tiny' has type str: give an EngineConfig"),
@@ -3077,6 +3093,180 @@ def test_gpu_async_equals_sync_with_graphs():
     b = nanoengine.LLM("tiny", async_scheduling=True, **GPU).generate(prompts, params)
     assert tokens_of(a) == tokens_of(b)
 
+
+# -- Part 3: tensor parallel. Two ranks with gloo on the CPU, float32: every split must give one rank's tokens --
+
+TP = dict(tensor_parallel_size=2)
+
+
+def _tp_workload():
+    """Prompts, params and aborts (request -> the step it is aborted at) that pass through every path of the
+    scheduler at max_num_batched_tokens=64 and num_blocks=12: four prompts share 48 tokens (prefix-cache hits),
+    three are longer than a step (chunked prefill), and together they outgrow the cache (preemption)."""
+    rng = random.Random(37)
+    shared = [rng.randrange(4096) for _ in range(48)]
+    prompts = [shared + [rng.randrange(4096) for _ in range(n)] for n in (3, 20, 40, 9)] + \
+        [[rng.randrange(4096) for _ in range(n)] for n in (1, 90, 17, 5)]
+    params = [greedy(n) for n in (10, 6, 14, 12, 9, 8, 11, 13)]
+    params[4] = params[6] = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=9, ignore_eos=True)
+    return prompts, params, {3: 4}
+
+
+def _check_rank0_shards(tp, one):
+    """Rank 0 of two holds half of each split weight, the first half of one rank's: q, k and v heads, o_proj's
+    and down_proj's columns, gate and up rows (an MLP's, or each expert's), and the vocabulary's rows."""
+    a, b, halves = tp.model, one.model, lambda t, dim: t.chunk(2, dim)[0]
+    mc = b.config
+    for la, lb in zip(a.model.layers, b.model.layers):
+        q, k, v = lb.self_attn.qkv_proj.weight.split([mc.num_heads * mc.head_dim, *[mc.num_kv_heads * mc.head_dim] * 2])
+        assert torch.equal(la.self_attn.qkv_proj.weight, torch.cat([halves(q, 0), halves(k, 0), halves(v, 0)]))
+        assert torch.equal(la.self_attn.o_proj.weight, halves(lb.self_attn.o_proj.weight, 1))
+        moe = isinstance(lb.mlp, nanoengine.MoE)
+        (ga, da), (gb, db) = [(m.w_gate_up, m.w_down) if moe else (m.gate_up_proj.weight, m.down_proj.weight)
+                              for m in (la.mlp, lb.mlp)]
+        gate, up = gb.chunk(2, dim=-2)
+        assert torch.equal(ga, torch.cat([halves(gate, -2), halves(up, -2)], dim=-2))
+        assert torch.equal(da, halves(db, -1))
+    assert torch.equal(a.model.embed_tokens.weight, halves(b.model.embed_tokens.weight, 0))
+    assert a.lm_head.weight is a.model.embed_tokens.weight  # tied, as one rank's
+
+
+@pytest.mark.parametrize("preset,settings", [("tiny", dict(tuned=False, enforce_eager=False)),
+                                             ("tiny-moe", dict(tuned="-gemv"))])
+def test_tp_two_ranks_give_one_ranks_tokens(preset, settings):
+    """Two ranks give one rank's greedy tokens, sync and async (the second pass hits the prefix cache on
+    every prompt), with chunked prefill, preemption and an abort in flight; seeded sampled requests get the
+    same tokens sync and async, which they cannot unless every rank samples the token rank 0 does (async
+    inputs come from each rank's own). tiny runs the graph runner's static buffers (the logits gathered into
+    them), tiny-moe Part 2's ops (add_rmsnorm_linear made of add_rmsnorm: x is summed once)."""
+    prompts, params, aborts = _tp_workload()
+    kw = dict(model=preset, num_blocks=12, max_num_batched_tokens=64, **settings)
+    one = Engine(**kw)
+    want = _run_with_aborts(one, prompts, params, aborts, False)
+    with Engine(**kw, **TP) as engine:
+        _check_rank0_shards(engine, one)
+        sync, async_ = [_run_with_aborts(engine, prompts, params, aborts, use_async) for use_async in (False, True)]
+        check_clean(engine)
+        assert engine.scheduler.num_preemptions and engine.scheduler.num_cached_tokens
+    for i, p in enumerate(params):
+        if i not in aborts:
+            assert sync[i] == async_[i], f"request {i}: sync {sync[i]} vs async {async_[i]}"
+            assert p.temperature > 0 or sync[i] == want[i], f"request {i}: two ranks {sync[i]}, one {want[i]}"
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_tp_biases_added_once_and_kv_heads_copied(tmp_path, fuse):
+    """Llama with attention_bias (q, k, v and o_proj biases) and one kv head for two ranks: each rank gets a
+    copy of the kv head and its heads' share of the q, k, v biases; o_proj's bias is added once (by rank 0).
+    Unfused weights are split the same way (the split comes before fusion)."""
+    cfg, sd = random_hf_checkpoint("llama", attention_bias=True, num_key_value_heads=1)
+    sd["model.norm.weight"] = sd["model.norm.weight"] * 30  # as checkpoint(): logits too spread for a near tie
+    folder = save_checkpoint(tmp_path, cfg, sd)
+    prompts = mixed_prompts(3, cfg["vocab_size"], seed=3, lengths=(5, 30, 12))
+    with Engine(model=folder, fuse=fuse, **TP) as engine:
+        assert engine.model.config.num_kv_heads == 1 and engine.model.model.layers[0].self_attn.o_proj.bias is not None
+        outs = run(engine, prompts, greedy(5))
+    assert [o.token_ids for o in outs] == [ref_tokens(sd, cfg, p, 5) for p in prompts]
+
+
+def _listening() -> set[str]:
+    """The addresses of this process's listening TCP sockets, 'ip:port' (hex, as /proc/net writes them)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since the listing
+            inodes.add(os.readlink(f"/proc/self/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+    return {f[1] for name in ("tcp", "tcp6") for f in (line.split() for line in open(f"/proc/self/net/{name}"))
+            if f[3] == "0A" and f[9] in inodes}  # 0A: LISTEN
+
+
+LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1 as /proc/net writes them
+
+
+def test_tp_engines_come_and_go_leaving_no_process_or_port():
+    """Engines one after another: closed twice, or dropped (its last reference stops the ranks); each listens
+    on loopback only while it lives, and leaves no process, port or process group behind."""
+    before = _listening()
+    want = tokens_of(run(Engine(model="tiny"), [[1, 2, 3], [4] * 20], greedy(6)))
+    for drop in (False, True):
+        engine = Engine(model="tiny", **TP)
+        procs = list(engine.model.group.procs)
+        assert len(procs) == 1 and all(a.startswith(LOOPBACK) for a in _listening() - before), _listening() - before
+        assert tokens_of(run(engine, [[1, 2, 3], [4] * 20], greedy(6))) == want
+        if drop:
+            del engine
+        else:
+            engine.close()
+            engine.close()  # a second close does nothing
+        assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
+        assert procs[0].exitcode == 0, "the rank was not stopped by a stop header"
+        with pytest.raises(ProcessLookupError):
+            os.kill(procs[0].pid, 0)
+        assert _listening() == before
+
+
+@pytest.mark.parametrize("how,said", [("SIGKILL", "exited with code -9"),
+                                      ("SIGINT", "raised:\nTraceback(.|\n)*KeyboardInterrupt")], ids=["dies", "raises"])
+def test_tp_a_rank_that_dies_or_raises_is_one_clear_error(how, said):
+    """A rank killed, or raising (SIGINT: a KeyboardInterrupt in its next step), mid-run: rank 0 raises one
+    error that names the rank and what happened to it, and stops every process."""
+    engine = Engine(model="tiny", **TP)
+    proc = engine.model.group.procs[0]
+    engine.add_request([1, 2, 3], greedy(50))
+    engine.step_async()
+    os.kill(proc.pid, getattr(signal, how))
+    with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {proc.pid}\) {said}(.|\n)*Every rank is stopped"):
+        while engine.has_unfinished():
+            engine.step_async()
+    assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="Every rank is stopped"):  # the next launch says it again
+        engine.add_request([1, 2], greedy(2))
+        engine.step()
+    engine.close()
+    engine.close()
+
+
+def test_tp_ranks_that_size_their_kv_caches_apart_are_refused(monkeypatch):
+    """Every rank sizes its own KV cache (on CUDA, from its GPU's free memory); if they differ, rank 0 could hand
+    out a block another rank lacks: refused, and nothing is left running."""
+    monkeypatch.setattr(nanoengine, "CPU_KV_BYTES", nanoengine.CPU_KV_BYTES // 2)  # rank 0's only
+    with pytest.raises(ValueError, match="the ranks sized their KV caches from 8192 to 16384 blocks"):
+        Engine(model="tiny", **TP)
+    assert not multiprocessing.active_children() and not torch.distributed.is_initialized()
+
+
+@needs_cuda
+def test_gpu_tp_a_group_of_one_in_graphs_gives_the_same_tokens(monkeypatch):
+    """Part 3 on one GPU: a world-size-1 NCCL group, its all-reduces and the logits' gather captured in CUDA
+    graphs, sync and async: the tokens of the engine without it."""
+    prompts, params = mixed_prompts(6, 4096, seed=37, lengths=(5, 60, 17, 200)), greedy(12)
+    settings = dict(dtype="float32", **GPU)
+    with nanoengine.LLM("tiny", **settings) as llm:
+        want = tokens_of(llm.generate(prompts, params))
+    monkeypatch.setattr(nanoengine, "tensor_parallel", lambda cfg: True)
+    for use_async in (False, True):
+        with nanoengine.LLM("tiny", async_scheduling=use_async, **settings) as llm:
+            assert isinstance(llm.engine.runner, nanoengine.TPRunner) and llm.engine.runner.graphs.graphs
+            assert tokens_of(llm.generate(prompts, params)) == want
+        assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_gpu_tp_two_gpus_give_one_gpus_tokens(preset):
+    """Two ranks on two GPUs in float32 (NCCL, the collectives inside CUDA graphs): one GPU's greedy tokens, sync
+    and async, through every scheduler path."""
+    prompts, params, aborts = _tp_workload()
+    kw = dict(model=preset, dtype="float32", device="cuda", num_blocks=12, max_num_batched_tokens=64)
+    with nanoengine.Engine(**kw) as one:
+        want = _run_with_aborts(one, prompts, params, aborts, False)
+    with nanoengine.Engine(**kw, **TP) as engine:
+        assert engine.runner.graphs.graphs
+        for use_async in (False, True):
+            got = _run_with_aborts(engine, prompts, params, aborts, use_async)
+            assert [g for i, g in enumerate(got) if i not in aborts and params[i].temperature == 0] == \
+                [w for i, w in enumerate(want) if i not in aborts and params[i].temperature == 0]
+    assert not multiprocessing.active_children()
+
 # ==========================================================================================================
 # run.py: the command line
 # ==========================================================================================================
@@ -3165,6 +3355,8 @@ def test_cli_generate_and_bench():
     r = cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and len(rec["token_ids"]) == 4 and rec["finish_reason"] == "length" and rec["ttft_s"] > 0
+    r = cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json", "--tensor-parallel-size", "2")
+    assert json.loads(r.stdout)["token_ids"] == rec["token_ids"] and not multiprocessing.active_children(), r.stderr
     r = cli("bench", "--num-requests", "3", "--min-len", "4", "--max-len", "12")
     rec = json.loads(r.stdout)
     assert r.returncode == 0 and rec["output_tokens"] > 0 and rec["output_tok_s"] > 0
