@@ -14,21 +14,15 @@ is the tuned path (EngineConfig.tuned): decode-speed kernel variants and the ste
 at the end, tensor parallel (EngineConfig.tensor_parallel_size). The forward never reads a batch value back to
 the host, so a CUDA graph can hold it.
 """
-import contextlib
 import gc
 import importlib.util
 import json
 import math
-import multiprocessing as mp
-import multiprocessing.connection
 import os
 import random
-import socket
 import sys
 import time
-import traceback
 import typing
-import weakref
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import SimpleNamespace
@@ -36,7 +30,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch._dynamo  # noqa: F401 (imported first under the meta device, it would leave cycles holding an Engine)
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -599,8 +592,7 @@ class Engine:
         self.runner = parts.runner(self.model, cfg, num_blocks, max_blocks, inputs, parts.graphs)
         self.stats = self.runner.stats  # StepStats: where the steps' time goes (run.py reads it)
         self.rng = random.Random(cfg.seed)
-        self.inflight = None  # async: (placeholder slots, pinned host tokens, event) of the launched step
-        self.readback = None  # async on CUDA: two pinned token buffers, alternating
+        self.inflight = self.readback = None  # async: the step in flight (landing, tokens, event); pinned buffers
         self._ids = 0
         self.held: list[Request] = []  # requests with news for another caller than the last step's (_outputs)
         self.streamed: set[Request] = set()  # the requests of open streams: their news goes to the stream
@@ -695,6 +687,21 @@ class Engine:
         self.stats.wait_s += time.perf_counter() - t
         return self.book.fill(slots, host.numpy())
 
+    def output(self, req: Request) -> RequestOutput:
+        ids = req.output_token_ids
+        new, req.num_reported = ids[req.num_reported:], len(ids)
+        finished, delta = req.status == FINISHED, req.params.output_kind == "delta"
+        assert finished or req.params.output_kind != "final_only", f"{req.request_id} asked for its final output only"
+        text = None
+        if self.tokenizer is not None:
+            detokenize(self.tokenizer, req, final=finished)
+            # vLLM: while it runs, the text's last characters could be the start of a stop string: held back
+            shown = req.text[:len(req.text) - (0 if finished else max(map(len, req.params.stop), default=1) - 1)]
+            text, req.text_reported = shown[req.text_reported:] if delta else shown, len(shown)
+        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens], new if delta else ids, new,
+                             text, finished, req.finish_reason, request_metrics(req, len(ids)))
+
+    # -- around the steps: text (stop strings), checking requests, sizing the cache, streaming, closing ---
     def _check_stop_strings(self, report: list[Request]) -> list[Request]:
         """Finish each request whose text now holds one of its stop strings, as vLLM: the text ends before the
         first, the token that completed it is the last (if that was its last allowed one, the reason is "stop"
@@ -713,21 +720,6 @@ class Engine:
                     self.book.finish(req, "stop")
         return [r for r in report if r.status == FINISHED or r.params.output_kind != "final_only"]
 
-    def output(self, req: Request) -> RequestOutput:
-        ids = req.output_token_ids
-        new, req.num_reported = ids[req.num_reported:], len(ids)
-        finished, delta = req.status == FINISHED, req.params.output_kind == "delta"
-        assert finished or req.params.output_kind != "final_only", f"{req.request_id} asked for its final output only"
-        text = None
-        if self.tokenizer is not None:
-            detokenize(self.tokenizer, req, final=finished)
-            # vLLM: while it runs, the text's last characters could be the start of a stop string: held back
-            shown = req.text[:len(req.text) - (0 if finished else max(map(len, req.params.stop), default=1) - 1)]
-            text, req.text_reported = shown[req.text_reported:] if delta else shown, len(shown)
-        return RequestOutput(req.request_id, req.token_ids[:req.num_prompt_tokens], new if delta else ids, new,
-                             text, finished, req.finish_reason, request_metrics(req, len(ids)))
-
-    # -- around the steps: checking requests, sizing the cache, streaming, closing -----------------------
     def tokenize(self, prompt) -> list[int]:
         """A prompt as token ids: text through the model's tokenizer, or a list (tuple, numpy array, 1-D
         tensor) of integer ids taken as they are. Anything else is a TypeError: an id is never rounded."""
@@ -1297,6 +1289,11 @@ def tuned_variants(tuned) -> frozenset:
     return frozenset(names)
 
 
+def tensor_parallel(cfg: EngineConfig) -> bool:
+    """Whether Part 3 runs: the one place that says so (a test runs it with one rank, in a group of one)."""
+    return cfg.tensor_parallel_size > 1
+
+
 def read_model_config(model: str) -> tuple[dict, str | None]:
     """(config dict, checkpoint folder or None for a preset)."""
     if model in PRESETS:
@@ -1666,16 +1663,20 @@ class SteadyInputBuilder(InputBuilder):
 # inputs to the others. It attaches in build_model (TPGroup, TPModel, tp_ops) and engine_parts (TPInputBuilder,
 # TPRunner). Every rank samples the same tokens: they all hold the same gathered logits, and the sampler is a
 # pure function of (seed, token index, id); so a rank's async placeholders come from its own sampled tokens.
+import contextlib  # noqa: E402 (Part 3's imports, where it starts)
+import multiprocessing as mp  # noqa: E402
+import multiprocessing.connection  # noqa: E402
+import socket  # noqa: E402
+import traceback  # noqa: E402
+import weakref  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
 TP_HOST = "127.0.0.1"  # every socket of the group listens on loopback: nothing outside the machine can join
 TP_GLOO = "nanoengine_gloo"  # gloo on TP_HOST (plain gloo listens wherever the hostname resolves)
 TP_SCALARS = 5  # InputBuilder.host_inputs' scalars: max_query_len, max_seq_len, all_greedy, need_filter, same
 TP_HEADER = 1 + 2 * len(staged_bounds(1, 1, 1)) + TP_SCALARS  # a step's header: stop, each array's shape, scalars
 TP_WAIT_S = 5.0  # how long a rank is waited for (to stop, or to report its error) before it is killed
-
-
-def tensor_parallel(cfg: EngineConfig) -> bool:
-    """Whether Part 3 runs: the one place that says so (a test runs it with one rank, in a group of one)."""
-    return cfg.tensor_parallel_size > 1
 
 
 class TPGroup:

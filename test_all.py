@@ -832,7 +832,7 @@ def test_the_chapter_holds_no_name_of_a_later_part():
         assert not after or after[0].lstrip().startswith(("# --", "# ==")), f"{name}: line {last} ends mid-section"
         chapter_code[name] = "\n".join(lines[first - 1:last])
         tree = ast.parse(textwrap.dedent("\n".join(later_parts(name))) or "pass")
-        later |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        later |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         later |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     own = set(vars(nanoengine.textbook_ops(False)))
     for code in chapter_code.values():
