@@ -694,12 +694,8 @@ def race_sample_ref(logits, temperature, seeds, counters, greedy: bool = False) 
 # ==========================================================================================================
 # Part 2: speed variants
 # ==========================================================================================================
-# The tuned path (EngineConfig(tuned=...), nanoengine.tuned_ops) swaps these in for Part 1's kernels or
-# torch ops where a decode step (2.7: a prompt step) runs. Each says what it replaces and when; BENCHMARKS.md
-# shows what it buys.
-
-# Tuning constants: each is the best of an H200 sweep or the edge where a variant stops paying (PREFILL_*:
-# first picks, before attn_bench.py's sweep on the GPU).
+# The tuned path (EngineConfig(tuned=...), nanoengine.tuned_ops) swaps these in; BENCHMARKS.md shows what each buys.
+# Tuning constants: the best of an H200 sweep, or the edge where a variant stops paying (PREFILL_*: first picks).
 LINEAR_MAX_M = 256  # linear takes at most this many rows; more go to cuBLAS (F.linear)
 LINEAR_NARROW_N = 4096  # ... a weight of at most this many rows ("narrow": cuBLAS splits K there) may take more
 LINEAR_TILE_BYTES = 16384  # weight bytes a program loads per K step: 2 programs an SM keep 4.3 TB/s in flight
@@ -730,14 +726,11 @@ PREFILL_MAX_SEQS = 512  # ... requests a step, scanned as one vector by every pr
 
 
 # -- 2.1 pdl: programmatic dependent launch (Hopper and later) ------------------------------------------
-# A decode step is a chain of a few hundred short kernels, and between two the GPU normally idles about a microsecond.
-# Launched as a programmatic dependent launch, the next kernel's programs take their places while this one runs and
-# wait at griddepcontrol.wait (_wait_for_inputs) until its writes are visible. A kernel releases the next only after
-# its own wait, so at most two are in flight and each sees every earlier kernel's writes: no result changes.
-# Before its wait a kernel may read only what no kernel writes: weights, and what the host staged. Part 1's kernels
-# launch as usual: one of them waits for the kernel before it to end, and the kernel after it starts as it ends.
-
-
+# A decode step chains a few hundred short kernels, and between two the GPU idles about a microsecond. Launched
+# programmatic-dependent, the next kernel's programs take their places while this one runs and wait at
+# griddepcontrol.wait (_wait_for_inputs) until its writes are visible; a kernel releases the next only after its own
+# wait, so at most two are in flight and each sees every earlier kernel's writes: no result changes. Before its wait
+# a kernel may read only what no kernel writes (weights, what the host staged). Part 1's kernels launch as usual.
 @functools.lru_cache(maxsize=None)
 def has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
@@ -1128,9 +1121,8 @@ def _decode_attention_kernel(
     row = req.to(tl.int64) * NUM_HEADS + head  # [BLOCK_M] (request, head) row of out
     if SPLIT:
         if splits_used > 1:
-            # Publish this split's partial; the last to finish merges, in a two-level tree so that no program
-            # reads more than MERGE_FAN_IN - 1 partials one round trip after another: the last split of each
-            # group of MERGE_FAN_IN merges it into the group's first slot, the last group the groups.
+            # Publish this split's partial; the last to finish merges, in a two-level tree (ATTN_MERGE_FAN_IN): the
+            # last split of each group merges it into the group's first slot, the last group the groups.
             rows_per_split = tl.num_programs(0) * NUM_HEADS
             _store_partial(m, l, acc, split, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
             group_id = req * tl.num_programs(1) + tl.program_id(1)
@@ -1209,10 +1201,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
                      q_norm=None, k_norm=None, eps=1e-6, max_seq_len: int | None = None,
                      num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """rope_write_kv, then paged_attention, for a decode batch (token b at position seq_lens[b] - 1) -> [B, H, D]:
-    - while the batch's programs fit one wave, in one launch (RoPE and the KV write inside);
-    - a long context at a small batch is split over several programs, merged in-kernel, so the GPU fills;
-    - a big batch of short contexts (host-side max_seq_len <= ATTN_PACK_MAX_CONTEXT) packs kv heads: one wave again.
-    num_splits overrides the split count chosen from the SM count (tests)."""
+    one launch while the grid fits one wave, long contexts at a small batch split over programs, a big batch of short
+    ones (host-side max_seq_len) packed. num_splits overrides the split count chosen from the SM count (tests)."""
     b, h, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     if k.shape != (b, hkv, d) or seq_lens.shape != (b,) or block_table.shape[0] != b or h % hkv:
@@ -1276,8 +1266,7 @@ def _moe_decode_gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # gate rows (and as many up rows) per program; K per step
     PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    # One row of activations: an FMA per weight element, summed over K once at the end, as linear's
-    # one-row path does (tl.dot would pad the single row to 16).
+    # One row: FMAs summed over K once at the end, as linear's one-row path (tl.dot would pad the row to 16).
     _wait_for_inputs(PDL)
     a = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1348,9 +1337,8 @@ def moe_decode_blocks(rows: int, n_out: int, k_in: int, element_size: int, tiles
 
 def fused_moe_decode(x, gate_up, down, topk_weights, topk_ids, gate_up_blocks=None, down_blocks=None,
                      pdl: bool = False) -> torch.Tensor:
-    """fused_moe for a few tokens: every assignment streams its expert's weights on its own (two tokens
-    that share an expert read it twice: right for a handful of tokens, wasteful for a batch). Same result
-    as fused_moe; *_blocks override moe_decode_blocks (a sweep's knob)."""
+    """fused_moe for a few tokens, same result: each assignment streams its expert's weights alone (tokens that share
+    an expert read it twice: right for a handful, wasteful for a batch). *_blocks override moe_decode_blocks."""
     _check_moe_args(x, gate_up, down, topk_weights, topk_ids)
     (n, d), inter, top_k = x.shape, gate_up.shape[1] // 2, topk_ids.shape[1]
     if n * top_k == 0:
@@ -1445,8 +1433,7 @@ def _race_kernel(
     GREEDY: tl.constexpr,  # every row has temperature 0: the argmax, no noise
     PDL: tl.constexpr,  # see _wait_for_inputs
 ):
-    # argmax_v l_v / T - log(E_v), E_v ~ Exp(1), draws v from softmax(l / T) (the exponential race): no
-    # softmax, one read of the logits, the noise made in registers from (seed, counter, v).
+    # 1.7's race, argmax_v l_v / T - log(E_v), in one read of the logits, the noise made in registers.
     _wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -1506,12 +1493,11 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
 
 # -- 2.7 prefill_attention: paged_attention at FlashAttention-2 speed, for prompt steps (needs 1.4, 2.1, 2.3) --
 # The same arguments and result as 1.4, for any step (prompt chunks and decodes mixed), without what slows 1.4:
-# - a mask on every key tile: here the tiles wholly below a query tile's diagonal take a loop with no mask, the
-#   one or two it cuts a masked one, and the tiles above it are never loaded;
-# - a long prompt's last query tile walking every key alone: here a long row's keys split over up to num_splits
-#   units whose partials the last to finish merges in the same launch, as 2.3 does (not a second kernel: one
-#   more launch, and a wait for it, in every layer);
-# - a program for each request row, and a prompt graph has max_num_seqs + 1 rows, mostly padding: here a few
+# - a mask on every key tile: here the tiles wholly below a query tile's diagonal take an unmasked loop, the one
+#   or two it cuts a masked one, and the tiles above it are never loaded;
+# - a long prompt's last query tile walking every key alone: here its keys split over up to num_splits units, merged
+#   by the last to finish in the same launch, as in 2.3 (not by a second kernel: a launch and a wait a layer);
+# - a program for each request row, where a prompt graph has max_num_seqs + 1 rows, mostly padding: here a few
 #   programs an SM take units (query tile x split x kv head) from a shared counter until none is left, so a
 #   padding row costs one element of a vector, and no SM idles while another has units to run.
 @triton.jit
@@ -1656,10 +1642,9 @@ def _prefill_attention_kernel(
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, max_query_len: int,
                       pdl: bool = False, min_tokens: int = 0) -> torch.Tensor:
-    """paged_attention (1.4), the same arguments and result -> out [T, H, D], in units of PREFILL_BLOCK_M query
-    rows. The grid (PREFILL_PROGRAMS_PER_SM programs an SM) and the splits depend on T, B, Hkv and max_query_len,
-    never on the lengths: a graph can replay it. Past PREFILL_MAX_SEQS requests, or under min_tokens tokens (a
-    host-side size), paged_attention runs instead."""
+    """paged_attention's result, out [T, H, D]. The grid (PREFILL_PROGRAMS_PER_SM programs an SM) and the splits
+    depend on T, B, Hkv and max_query_len, never on the lengths: a graph can replay it. Past PREFILL_MAX_SEQS
+    requests, or under min_tokens tokens (a host-side size), paged_attention runs instead."""
     _check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_table)
     t, h, d = q.shape
     b, hkv, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]

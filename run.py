@@ -5,9 +5,8 @@
     python run.py bench                           # offline throughput, nano-vllm's protocol
     python run.py online --rate 16,64,128         # Poisson arrivals: TTFT, TPOT, ITL, end-to-end latency
 
-Results go to stdout as JSON lines (generate's text, unless --json), progress to stderr. Bad input prints one
-line naming the problem and exits with status 2. On the CPU the defaults are smaller where a command would take
-long, and each command's --help says how long it takes. Imports nanoengine (and its kernels, for the launch costs)."""
+Results: JSON lines on stdout (generate: its text, unless --json); progress: stderr; bad input: one line, status 2.
+Each command's --help says how long it takes (smaller defaults on the CPU). Imports nanoengine and its kernels."""
 import argparse
 import collections
 import itertools
@@ -74,8 +73,7 @@ def engine_settings(a, **settings) -> dict:
 def make_engine(label: str, settings: dict) -> Engine:
     """Engine(EngineConfig(**settings)) between two progress lines: a big model, or CUDA graphs, take a while."""
     cfg = EngineConfig(**settings)
-    graphs = " and its CUDA graphs" if cfg.device.startswith("cuda") and not cfg.enforce_eager else ""
-    note(f"{label}: building the engine{graphs} ({cfg.model}, {cfg.device}) ...")
+    note(f"{label}: building the engine ({cfg.model}, {cfg.device}) ...")
     t0 = time.perf_counter()
     engine = Engine(cfg)
     g = engine.runner.graphs
@@ -161,19 +159,18 @@ def cmd_overhead(a):
                    ms_per_step=round(1e3 * r["wall"] / steps, 3), host_ms_per_step=round(1e3 * r["host_s"] / steps, 3))
         if name == "tuned":
             rec["tuned"] = ",".join(sorted(engine.cfg.tuned))
+        if cuda or a.trace:
+            prof = profile_steps(engine, prompts)
         if cuda:
             rec["gpu_ms_per_step"] = round(1e3 * r["gpu_s"] / steps, 3)
             rec["x_floor"] = round(r["wall"] / steps / header["floor_ms"] * 1e3, 2)
             # Wall time not covered by any step's device time: the GPU waiting for the host between steps.
             rec["idle_between_steps_pct"] = round(100 * max(0.0, 1 - r["gpu_s"] / r["wall"]), 1)
-        if cuda or a.trace:
-            prof = profile_steps(engine, prompts)
-            if cuda:
-                rec.update(launch_model(engine, prof, header["floor_ms"], tau))
-            if a.trace:  # one timeline a rung, for chrome://tracing or ui.perfetto.dev
-                os.makedirs(a.trace, exist_ok=True)
-                rec["trace"] = os.path.join(a.trace, f"{name}.json")
-                prof.export_chrome_trace(rec["trace"])
+            rec.update(launch_model(engine, prof, header["floor_ms"], tau))
+        if a.trace:  # one timeline a rung, for chrome://tracing or ui.perfetto.dev
+            os.makedirs(a.trace, exist_ok=True)
+            rec["trace"] = os.path.join(a.trace, f"{name}.json")
+            prof.export_chrome_trace(rec["trace"])
         if r["tokens_run"]:  # the graphs' padding: tokens run for the tokens the steps had
             rec["padding_pct"] = round(100 * (1 - r["tokens_real"] / r["tokens_run"]), 1)
         rec["same_tokens"] = r["outputs"] == reference
@@ -268,9 +265,8 @@ def launch_costs() -> dict:
 
 
 def profile_steps(engine: Engine, prompts, steps: int = PROFILED_STEPS):
-    """torch.profiler (host, and the GPU's kernels on CUDA) over `steps` decode steps of the prompts'
-    requests, after 3 untraced ones (prefill among them); with 12 tokens to spare, every traced step decodes
-    all of them."""
+    """torch.profiler (host, and the GPU's kernels on CUDA) over `steps` decode steps of the prompts' requests,
+    after 3 untraced ones (prefill among them); 12 tokens to spare keep every request decoding in each traced step."""
     params = SamplingParams(temperature=0, max_tokens=3 + steps + 12, ignore_eos=True, output_kind="final_only")
     for p in prompts:
         engine.add_request(p, params)
@@ -288,9 +284,8 @@ def profile_steps(engine: Engine, prompts, steps: int = PROFILED_STEPS):
 
 
 def launch_model(engine: Engine, prof, floor_ms: float, tau: dict) -> dict:
-    """The launch model beside the measured step: eager ~ T_compute + N tau (each of the step's N kernels
-    launched from Python), graphed ~ T_compute + tau (one replay), with T_compute the floor. N: the kernels
-    in the profiled steps (profile_steps), per step."""
+    """The launch model beside the measured step: eager ~ T_compute + N tau (each of a step's N kernels launched
+    from Python), graphed ~ T_compute + tau (one replay); T_compute: the floor; N: kernels a profiled step."""
     n = sum(e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
             for e in prof.events()) / PROFILED_STEPS
     graphed = engine.runner.graphs is not None
@@ -474,11 +469,9 @@ def cmd_bench(a):
     warm = [[warm_rng.randrange(vocab) for _ in range(len(p))] for p, _ in reqs]
     prompt_tokens, planned = sum(len(p) for p, _ in reqs), sum(sp.max_tokens for _, sp in reqs)
     note(f"bench: warm-up, {len(warm)} prompts ({prompt_tokens} tokens) x 8 new tokens ...")
-    t0 = time.perf_counter()
     run_engine(engine, warm, SamplingParams(temperature=0.6, seed=0, max_tokens=8, ignore_eos=True,
                                             output_kind="final_only"))
-    note(f"bench: warm-up took {time.perf_counter() - t0:.1f} s; timed run, {a.num_requests} requests, "
-         f"{prompt_tokens} prompt + {planned} output tokens ...")
+    note(f"bench: timed run, {a.num_requests} requests, {prompt_tokens} prompt + {planned} output tokens ...")
     engine.stats.reset()
     engine.stats.timing = True  # device time per step: how much of the run the GPU was busy
     for p, sp in reqs:
@@ -492,13 +485,12 @@ def cmd_bench(a):
             note(f"  {engine.stats.tokens} of {planned} output tokens, {last - t0:.0f} s, "
                  f"{len(engine.book.requests)} requests left")
     sync_device(a.device)
-    wall = time.perf_counter() - t0
+    wall, st = time.perf_counter() - t0, engine.stats
     emit(dict(model=a.model, tuned=",".join(sorted(engine.cfg.tuned)), requests=a.num_requests,
-              output_tokens=out_tokens, prompt_tokens=prompt_tokens,
-              wall_s=round(wall, 2), output_tok_s=round(out_tokens / wall, 1),
-              total_tok_s=round((out_tokens + prompt_tokens) / wall, 1), steps=engine.stats.steps,
-              host_ms_per_step=round(1e3 * engine.stats.host_s / max(engine.stats.steps, 1), 3),
-              gpu_busy_pct=round(100 * engine.stats.gpu_seconds() / wall, 1) if engine.cuda else None,
+              output_tokens=out_tokens, prompt_tokens=prompt_tokens, wall_s=round(wall, 2),
+              output_tok_s=round(out_tokens / wall, 1), total_tok_s=round((out_tokens + prompt_tokens) / wall, 1),
+              steps=st.steps, host_ms_per_step=round(1e3 * st.host_s / max(st.steps, 1), 3),
+              gpu_busy_pct=round(100 * st.gpu_seconds() / wall, 1) if engine.cuda else None,
               floor_s=round(bench_floor(engine, reqs, bandwidth), 2), **bandwidth_fields))
     engine.close()
 
@@ -546,8 +538,7 @@ def make_parser() -> Parser:
     common.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
     common.add_argument("--tuned", nargs="?", const=True, metavar="VARIANTS",
                         help=f"Part 2's variants: all with no value; or some, comma-separated, of {', '.join(TUNED)}; "
-                             "or '-a,-b' for all but those (default: all for the speed commands, bench, online and "
-                             "overhead's `tuned` row; none for generate)")
+                             "or '-a,-b': all but those (default: all; none for generate and overhead's untuned rows)")
     common.add_argument("--no-tuned", dest="tuned", action="store_false", help="the chapter's path only (default: off)")
     common.add_argument("--tensor-parallel-size", type=positive, default=1, help="processes (ranks), each with 1/N "
                         "of the weights: tensor parallel, Part 3 (default: %(default)s)")
