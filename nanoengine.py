@@ -711,8 +711,7 @@ class Engine:
                 continue
             # only where the new text reaches: any earlier match would have stopped it already
             start = len(req.text) - len(detokenize(self.tokenizer, req)) - max(map(len, req.params.stop)) + 1
-            found = [i for i in (req.text.find(s, max(start, 0)) for s in req.params.stop) if i >= 0]
-            if found:
+            if found := [i for i in (req.text.find(s, max(start, 0)) for s in req.params.stop) if i >= 0]:
                 req.text = req.text[:min(found)]
                 if req.status == FINISHED:
                     req.finish_reason = "stop"
@@ -733,11 +732,10 @@ class Engine:
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"prompt={prompt!r:.80} has type {type(prompt).__name__}: give a string or a list of "
                             "token ids")
-        if not all(type(t) is int for t in prompt):  # one quick pass for the usual case; numpy ints pass too
-            bad = next((i for i, t in enumerate(prompt) if not is_int(t)), None)
-            if bad is not None:
-                raise TypeError(f"prompt[{bad}]={prompt[bad]!r:.80} has type {type(prompt[bad]).__name__}: token "
-                                "ids must be integers")
+        bad = next((i for i, t in enumerate(prompt) if type(t) is not int and not is_int(t)), None)
+        if bad is not None:
+            raise TypeError(f"prompt[{bad}]={prompt[bad]!r:.80} has type {type(prompt[bad]).__name__}: token ids "
+                            "must be integers")
         return [int(t) for t in prompt]
 
     def _check(self, prompt, params, request_id: str | None) -> tuple[list[int], SamplingParams]:
@@ -750,11 +748,9 @@ class Engine:
         vocab, limit = self.model.config.vocab_size, self.max_model_len
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
+        if bad := [t for t in ids if not 0 <= t < vocab]:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary: ids must be in [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
             raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r:.80} needs text, but model={self.cfg.model!r} has no tokenizer "
@@ -936,18 +932,13 @@ class LLM:
         done = {}
         step = engine.step_async if engine.cfg.async_scheduling else engine.step
         while engine.has_unfinished():
-            for o in step():
-                done[o.request_id] = o
+            done.update((o.request_id, o) for o in step())
         return [done[rid] for rid in ids]
 
     def close(self):
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
+    __enter__, __exit__ = Engine.__enter__, Engine.__exit__  # `with LLM(...) as llm:` closes it on the way out
 
 
 def prompt_list(prompts) -> list:
@@ -1434,7 +1425,6 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
     tuned forward's structure is tested. Part 1's kernels keep plain launches: a PDL chain is Part 2's."""
     v, triton = cfg.tuned, cfg.triton
     pdl = triton and "pdl" in v and kernels.has_pdl(torch.device(cfg.device))
-    pick = lambda name: partial(getattr(kernels, name), pdl=pdl) if triton else getattr(kernels, name + "_ref")  # noqa
     ops.add_rmsnorm_linear = partial(add_rmsnorm_then_linear, ops)  # Part 1's kernels, one after the other
     ops.decode_attention, ops.decode_context_bounds = None, no_context_bounds
     if "gemv" in v:
@@ -1448,18 +1438,15 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
             ops.linear = partial(kernels.linear, max_rows=rows, narrow_rows=narrow, pdl=pdl)
         ops.add_rmsnorm_linear = partial(kernels.add_rmsnorm_linear, max_rows=rows, narrow_rows=narrow, pdl=pdl) \
             if triton else kernels.add_rmsnorm_linear_ref
-    if "decode_attention" in v:
-        ops.decode_attention = pick("decode_attention")
-        if triton:
-            ops.decode_context_bounds = kernels.decode_context_bounds
+    for variant, op in dict(decode_attention="decode_attention", moe_route="moe_route", sampler="race_sample").items():
+        if variant in v:  # the kernel of the op's name, or its reference
+            setattr(ops, op, partial(getattr(kernels, op), pdl=pdl) if triton else getattr(kernels, op + "_ref"))
+    if "decode_attention" in v and triton:
+        ops.decode_context_bounds = kernels.decode_context_bounds
     if "prefill_attention" in v and triton:  # without Triton, paged_attention_ref stays: the same math
         ops.paged_attention = partial(kernels.prefill_attention, pdl=pdl, min_tokens=kernels.PREFILL_MIN_TOKENS)
     if "moe_decode" in v:
         ops.fused_moe = partial(kernels.fused_moe_tuned, pdl=pdl) if triton else kernels.fused_moe_ref
-    if "moe_route" in v:
-        ops.moe_route = pick("moe_route")
-    if "sampler" in v:
-        ops.race_sample = pick("race_sample")
     return ops
 
 
