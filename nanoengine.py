@@ -1514,9 +1514,8 @@ class BoundedGraphRunner(GraphRunner):
 
 @dataclass(eq=False)
 class DecodeRows:
-    """A decode batch kept from step to step while the running set is unchanged (scheduler.SteadyDecode):
-    every request moves on by one token, so its position, KV slot and sequence length are all +1 and its
-    sampling settings do not change. The settings, query_start_loc and logits_indices are staged once."""
+    """A decode batch kept from step to step while the running set is unchanged (scheduler.SteadyDecode): each
+    request moves on by one token (its position, KV slot and sequence length +1); the rest is staged once."""
     steady: object                 # the SteadyDecode these rows follow
     step: int                      # the scheduler step the arrays hold
     rows: np.ndarray               # (n,) each request's persistent row
@@ -1647,11 +1646,9 @@ class SteadyInputBuilder(InputBuilder):
 # ----------------------------------------------------------------------------------------------------------
 # Part 3: tensor parallel (EngineConfig.tensor_parallel_size). Each rank is a process with a share of every
 # weight, running the same forward; rank 0 is the engine's own process (API, scheduler) and sends each step's
-# inputs to the others. It attaches in build_model (TPGroup, TPModel, tp_ops) and engine_parts (TPInputBuilder,
-# TPRunner). Every rank samples the same tokens: they all hold the same gathered logits, and the sampler is a
-# pure function of (seed, token index, id); so a rank's async placeholders come from its own sampled tokens.
+# inputs to the others. Every rank samples the same tokens: they all hold the same gathered logits, and the
+# sampler is a pure function of (seed, token index, id); so a rank's async placeholders are its own tokens.
 import contextlib  # noqa: E402 (Part 3's imports, where it starts)
-import multiprocessing as mp  # noqa: E402
 import multiprocessing.connection  # noqa: E402
 import socket  # noqa: E402
 import traceback  # noqa: E402
@@ -1661,15 +1658,13 @@ import torch.distributed as dist  # noqa: E402
 
 TP_HOST = "127.0.0.1"  # every socket of the group listens on loopback: nothing outside the machine can join
 TP_GLOO = "nanoengine_gloo"  # gloo on TP_HOST (plain gloo listens wherever the hostname resolves)
-TP_SCALARS = 5  # InputBuilder.host_inputs' scalars: max_query_len, max_seq_len, all_greedy, need_filter, same
-TP_HEADER = 1 + 2 * len(staged_bounds(1, 1, 1)) + TP_SCALARS  # a step's header: stop, each array's shape, scalars
+TP_HEADER = 1 + 2 * len(staged_bounds(1, 1, 1)) + 5  # a step's header: stop, each array's shape, host_inputs' 5 scalars
 TP_WAIT_S = 5.0  # how long a rank is waited for (to stop, or to report its error) before it is killed
 
 
 class TPGroup:
-    """This process's place among the ranks: its rank and their number; on rank 0 also the other ranks'
-    processes and their error pipes. close() (a second call does nothing) and the last reference stop every
-    rank and leave the group, so no process, port or socket outlives it."""
+    """This process's place among the ranks (on rank 0, also the others' processes and error pipes). close() (a
+    second call does nothing) or the last reference stops every rank and leaves the group: nothing outlives it."""
 
     def __init__(self, cfg: EngineConfig, rank: int):
         self.rank, self.size, self.procs, self.errors, self.failed = rank, cfg.tensor_parallel_size, [], [], None
@@ -1692,7 +1687,7 @@ class TPGroup:
         group, listener = cls(cfg, 0), socket.create_server((TP_HOST, 0))  # port 0: a free one, picked now
         store = dist.TCPStore(TP_HOST, listener.getsockname()[1], n, is_master=True, wait_for_workers=False,
                               master_listen_fd=listener.detach())  # the store owns the socket, and closes it
-        spawn = mp.get_context("spawn")  # a fresh interpreter: a forked one could not use CUDA
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: a forked one could not use CUDA
         for rank in range(1, n):
             errors, sender = spawn.Pipe(duplex=False)
             group.procs.append(spawn.Process(target=tp_worker, args=(cfg, rank, store.port, sender), daemon=True))
@@ -1708,7 +1703,7 @@ class TPGroup:
         """Raise one clear error, and stop every rank, if a rank has failed: its pipe holds its traceback, or
         reads as closed (it exited); `wait` s for one to, as a collective that raised (`cause`) means one is."""
         if self.failed is None:
-            ready = mp.connection.wait(self.errors, timeout=wait)
+            ready = multiprocessing.connection.wait(self.errors, timeout=wait)
             if not ready and cause is None:
                 return
             self.failed = f"rank 0 raised {cause!r}"
@@ -1773,8 +1768,7 @@ def stop_ranks(procs: list, errors: list, state: SimpleNamespace):
 
 def tp_worker(cfg: EngineConfig, rank: int, port: int, errors):
     """A rank other than 0, in its own process: join rank 0's group, build the same engine on this rank's share
-    (the same collectives, in the same order), then run rank 0's steps until it sends stop. An error goes to
-    rank 0 before the process exits."""
+    (the same collectives, in the same order), and run rank 0's steps until it says stop; an error goes to rank 0."""
     try:
         if cfg.device.startswith("cuda"):  # rank r on the r-th GPU from the engine's
             cfg = replace(cfg, device=f"cuda:{(torch.device(cfg.device).index or 0) + rank}")
@@ -1855,10 +1849,9 @@ class TPModel(Model):
 
 
 def tp_ops(ops: SimpleNamespace) -> SimpleNamespace:
-    """ops whose add_rmsnorm and add_rmsnorm_linear sum x over the ranks first. x is the embedding, or an o_proj,
-    MLP or MoE output: every partial sum meets the residual stream there, so a layer's two all-reduces (and the
-    embedding's and the final norm's) are theirs. A new namespace: Part 2's add_rmsnorm_then_linear keeps the
-    old one's add_rmsnorm, so x is summed once."""
+    """ops whose add_rmsnorm and add_rmsnorm_linear sum x over the ranks first: x is the embedding, or an o_proj,
+    MLP or MoE output, every partial sum meets the residual stream there. A new namespace: Part 2's
+    add_rmsnorm_then_linear keeps the old one's add_rmsnorm, so x is summed once."""
     def all_reduced(op, x: torch.Tensor, *args, **kwargs):
         dist.all_reduce(x)
         return op(x, *args, **kwargs)
@@ -1870,9 +1863,8 @@ def tp_ops(ops: SimpleNamespace) -> SimpleNamespace:
 
 class TPStaging(Staging):
     """Staging among the ranks, with no Python object pickled: rank 0 broadcasts a header of int64s (stop, each
-    array's shape, the step's host scalars), then each packed per-dtype buffer just after its one copy to the
-    device (on CUDA over NCCL, the header over gloo); the others receive them into buffers of their own and
-    take the same views (receive)."""
+    array's shape, the host scalars) over gloo, then each packed per-dtype buffer after its copy to the device;
+    the others receive them into buffers of their own and take the same views (receive)."""
 
     def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]]):
         super().__init__(device, bounds, packed=True)
@@ -1910,8 +1902,7 @@ class TPStaging(Staging):
 
 
 class TPInputBuilder(InputBuilder):
-    """Rank 0's InputBuilder sends each step's inputs (TPStaging); the others' build the same Batch and
-    SamplingBatch from them, with the same code (device_inputs: TPRunner.serve)."""
+    """Rank 0's sends each step's inputs to the others (TPStaging), whose device_inputs build the same batch."""
     staging_type = TPStaging
 
     def prepare(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
@@ -1921,8 +1912,7 @@ class TPInputBuilder(InputBuilder):
 
 class TPRunner(ModelRunner):
     """A rank's ModelRunner: the same KV cache and graphs on every rank, captured in the same order (their
-    collectives pair up). Rank 0's launches the engine's steps, each watched for a failed rank; the others'
-    serve() rank 0's steps until it says stop."""
+    collectives pair up). Rank 0's steps are watched for a failed rank; the others serve() until told to stop."""
 
     def __init__(self, model: TPModel, cfg: EngineConfig, num_blocks: int, *args):
         with model.group.watch():
