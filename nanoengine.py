@@ -828,8 +828,7 @@ class Engine:
         Closing the generator early (a break: a client gone) aborts the request, as vLLM does."""
         params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
                                                                   params.output_kind != "final_only" else "delta"))
-        rid = self.add_request(prompt, params)  # first: it checks that the engine is open
-        req = self.book.requests[rid]
+        req = self.book.requests[self.add_request(prompt, params)]  # add_request first: it checks the engine is open
         self.streamed.add(req)
         step = self._step_async if self.cfg.async_scheduling else self._step
         try:
@@ -1554,12 +1553,9 @@ class SteadyInputBuilder(InputBuilder):
             return super().prepare(plan)
         if plan.requests is self.prev_sampling:
             return self._prepare_steady(plan, None)
-        prev = self.prev_steady  # some requests of last step's steady decode may have left it since
-        if prev is not None and prev is not plan.steady and self.prev_sampling is prev.requests:
-            kept = plan.steady.kept_of(prev)  # last step's indices of the requests plan decodes, or None
-            if kept is not None:  # their tokens are only in last step's output
-                return self._prepare_steady(plan, kept)
-        return self._prepare_formed(plan)
+        prev = self.prev_steady  # kept: where some of its requests left since, the rest's indices in its output
+        kept = None if prev is None or self.prev_sampling is not prev.requests else plan.steady.kept_of(prev)
+        return self._prepare_formed(plan) if kept is None else self._prepare_steady(plan, kept)
 
     def _prepare_steady(self, plan, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
         """A decode of last step's requests, or of those still running (last step's indices `kept`)."""
@@ -1569,16 +1565,15 @@ class SteadyInputBuilder(InputBuilder):
         if kept is not None:
             self._condense(d, plan, kept)
         self._advance(d, plan)
-        kept_index = {} if kept is None else dict(kept=kept)
-        t = self.staging.to_device(dict(d.named, block_table=d.block_table, **kept_index))
-        input_ids = self.prev_tokens if kept is None else self.prev_tokens[t.kept]
-        if kept is not None:  # the sampling settings of the rows that stay, gathered on the device
-            sp = d.sampling
-            d.sampling = SamplingBatch(temperature=sp.temperature[t.kept], top_k=sp.top_k[t.kept],
-                                       top_p=sp.top_p[t.kept], seeds=sp.seeds[t.kept], counters=None,
-                                       all_greedy=not self.temperature[d.rows].any(),
-                                       need_filter=bool(self.filtered[d.rows].any()))
-        return self._rows_batch(d, input_ids, t), d.sampling, plan.requests
+        if kept is None:
+            t = self.staging.to_device(dict(d.named, block_table=d.block_table))
+            return self._rows_batch(d, self.prev_tokens, t), d.sampling, plan.requests
+        t = self.staging.to_device(dict(d.named, block_table=d.block_table, kept=kept))
+        sp, k = d.sampling, t.kept  # the sampling settings of the rows that stay, gathered on the device
+        d.sampling = replace(sp, temperature=sp.temperature[k], top_k=sp.top_k[k], top_p=sp.top_p[k],
+                             seeds=sp.seeds[k], all_greedy=not self.temperature[d.rows].any(),
+                             need_filter=bool(self.filtered[d.rows].any()))
+        return self._rows_batch(d, self.prev_tokens[k], t), d.sampling, plan.requests
 
     def _prepare_formed(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
         """The first step of a steady decode: its rows are built now, so the next step only advances them.
@@ -1629,8 +1624,7 @@ class SteadyInputBuilder(InputBuilder):
         """Every request one token on. Those whose new token starts a block (the plan's `entering`) take
         their slot from it, and the block table gains it."""
         d.ints64 += 1  # positions, slots and counters in one operation
-        d.max_seq_len += 1
-        d.step = plan.step
+        d.max_seq_len, d.step = d.max_seq_len + 1, plan.step
         entering, blocks = plan.entering
         if len(entering):
             rows, cols = d.rows[entering], d.ints64[0, entering] // self.block_size
@@ -1864,7 +1858,7 @@ def tp_ops(ops: SimpleNamespace) -> SimpleNamespace:
 class TPStaging(Staging):
     """Staging among the ranks, with no Python object pickled: rank 0 broadcasts a header of int64s (stop, each
     array's shape, the host scalars) over gloo, then each packed per-dtype buffer after its copy to the device;
-    the others receive them into buffers of their own and take the same views (receive)."""
+    the others stage arrays of those shapes the same way, and the buffers land in their own (receive)."""
 
     def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]]):
         super().__init__(device, bounds, packed=True)
@@ -1879,7 +1873,7 @@ class TPStaging(Staging):
 
     def on_device(self, packed: torch.Tensor) -> torch.Tensor:
         dev = super().on_device(packed)
-        dist.broadcast(dev, 0)
+        dist.broadcast(dev, 0)  # on the other ranks, rank 0's buffer lands in this one
         return dev
 
     def receive(self) -> list | None:
@@ -1889,16 +1883,9 @@ class TPStaging(Staging):
         stop, *header = header.tolist()
         if stop:
             return None
-        shapes = {name: tuple(n for n in header[2 * i:2 * i + 2] if n >= 0) for i, name in enumerate(self.bounds)}
-        tensors = {}
-        for dtype in dict.fromkeys(d for d, _ in self.bounds.values()):  # as rank 0's to_device groups them
-            names = [name for name, (d, _) in self.bounds.items() if d == dtype]
-            sizes = [math.prod(shapes[name]) for name in names]
-            offsets, total = aligned_offsets(sizes, np.dtype(dtype).itemsize)
-            dev = torch.empty(total, dtype=getattr(torch, dtype), device=self.device)
-            dist.broadcast(dev, 0)
-            tensors.update({name: dev[o:o + n].view(shapes[name]) for name, o, n in zip(names, offsets, sizes)})
-        return [SimpleNamespace(**tensors), *header[2 * len(self.bounds):]]
+        arrays = {name: np.empty([n for n in header[2 * i:2 * i + 2] if n >= 0], dtype)
+                  for i, (name, (dtype, _)) in enumerate(self.bounds.items())}
+        return [Staging.to_device(self, arrays), *header[2 * len(self.bounds):]]  # Staging's: no header to send
 
 
 class TPInputBuilder(InputBuilder):
