@@ -704,8 +704,7 @@ class Engine:
     # -- around the steps: text (stop strings), checking requests, sizing the cache, streaming, closing ---
     def _check_stop_strings(self, report: list[Request]) -> list[Request]:
         """Finish each request whose text now holds one of its stop strings, as vLLM: the text ends before the
-        first, the token that completed it is the last (if that was its last allowed one, the reason is "stop"
-        still). Returns those of report that have an output to give."""
+        first, whose token is the last (reason "stop", even on the last allowed). Returns those with an output."""
         for req in report:
             if not req.params.stop or req.finish_reason not in (None, "length"):
                 continue
@@ -801,9 +800,8 @@ class Engine:
         return int(budget // per_block)
 
     def _activation_bytes(self) -> int:
-        """The most memory a step takes beyond the weights, measured as vLLM does: one forward of a full
-        step (max_num_batched_tokens tokens) on a dummy two-block cache. The graphs' shared pool holds the
-        largest graph's activations, so this counts them too, plus the graphs' static logits buffer."""
+        """The most memory a step takes beyond the weights, as vLLM measures it: one forward of a full step on a
+        dummy cache. The graphs' pool holds the largest graph's activations: counted too, with the logits buffer."""
         mc, cfg, bs = self.model.config, self.cfg, self.cfg.block_size
         T = min(cfg.max_num_batched_tokens, self.max_model_len)
         with torch.device(cfg.device):  # the dummy step's tensors
@@ -869,8 +867,7 @@ class Engine:
 
 
 def request_metrics(req: Request, n: int) -> dict:
-    """The request's times (time.perf_counter s), time to first token, and time per output token after the first
-    (n: its output tokens on the host, which the caller has at hand)."""
+    """The request's times (time.perf_counter s), TTFT, and time per output token after the first (n: its tokens)."""
     first, done = req.first_token_time, req.finished_time
     return dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=first,
                 finished_time=done, ttft=None if first is None else first - req.arrival_time,
@@ -878,10 +875,9 @@ def request_metrics(req: Request, n: int) -> dict:
 
 
 def detokenize(tokenizer, req: Request, final: bool = False) -> str:
-    """Append to req.text what its new tokens add, and return it. Decoded as vLLM does, incrementally: the tokens
-    decoded last are decoded again with the new ones, for context, and the new text is the difference. While it
-    ends in an incomplete UTF-8 sequence ("\ufffd": a character whose bytes span tokens) it is held back, unless
-    the request has ended."""
+    """Append to req.text what its new tokens add, and return it. Decoded incrementally, as vLLM: the tokens decoded
+    last are decoded again with the new ones, for context, and the new text is the difference; while it ends in an
+    incomplete UTF-8 sequence ("\ufffd": a character whose bytes span tokens) it is held back, unless final."""
     ids, start = req.output_token_ids, req.prefix_offset
     before = tokenizer.decode(ids[start:req.read_offset], skip_special_tokens=True)
     after = tokenizer.decode(ids[start:], skip_special_tokens=True)
@@ -964,12 +960,10 @@ def check_params(name: str, params) -> SamplingParams:
     return params
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Measuring steps: where a step's time goes (run.py's benchmarks read it)
 class StepStats:
-    """Where a step's time goes. host = all but the forward + sampler launch and the wait for tokens (scheduling,
-    batch building, bookkeeping). With `timing` on (benchmarks; off by default) each step's time is kept by kind
-    (with prompt tokens, or decode only): CUDA events' device time on CUDA, the forward's wall time on the CPU."""
+    """Where a step's time goes (run.py's benchmarks read it). host = all but the forward + sampler launch and the
+    wait for tokens (scheduling, batch building, bookkeeping). With `timing` on (off by default) each step's time is
+    kept by kind (prompt tokens or decode only): CUDA events' device time on CUDA, the forward's wall time on CPU."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.timing = cuda, False
@@ -985,11 +979,9 @@ class StepStats:
         return self.total_s - self.forward_s - self.wait_s
 
     def now(self):
-        if not self.timing:
-            return None
-        if not self.cuda:
-            return time.perf_counter()
-        return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+        if self.timing and self.cuda:
+            return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+        return time.perf_counter() if self.timing else None
 
     def end(self, start, prompt: bool):
         if start is not None:
@@ -1222,9 +1214,8 @@ class EngineConfig:
             self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
 
     def _check_types(self):
-        """A TypeError for a setting of the wrong type, before any value is looked at: each field holds the
-        type its annotation says (a float any number, a tuple any list of integers), or None where that is
-        its default. A path may also be a pathlib.Path, and dtype a torch.dtype."""
+        """A TypeError for a setting of the wrong type, before any value is looked at: each field holds the type
+        its annotation says (a float any number, a tuple any list of integers), or None where that is its default."""
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         if isinstance(self.dtype, torch.dtype):
@@ -1395,8 +1386,7 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
 
 
 def engine_parts(cfg: EngineConfig) -> SimpleNamespace:
-    """The classes an Engine is built from: the chapter's, or Part 2's subclasses where cfg.tuned names them,
-    or Part 3's under tensor parallelism."""
+    """The classes an Engine is built from: the chapter's, Part 2's where cfg.tuned names them, or Part 3's."""
     steady, tp = "steady" in cfg.tuned, tensor_parallel(cfg)
     return SimpleNamespace(book=SteadyBook if steady else RequestBook,
                            scheduler=SteadyScheduler if steady else Scheduler,
@@ -1462,9 +1452,8 @@ def add_rmsnorm_then_linear(ops, x, residual, norm_weight, eps, weight, bias=Non
 
 
 class TunedDecoderLayer(DecoderLayer):
-    """DecoderLayer on the tuned path (gemv, decode_attention): each add + RMSNorm is made as the matmul
-    after it loads its row (ops.add_rmsnorm_linear, kernels 2.2), silu(gate) * up as the gate/up matmul
-    stores, and a decode batch's RoPE, KV write and attention run in one launch (kernels 2.3)."""
+    """DecoderLayer on the tuned path: each add + RMSNorm runs in the matmul after it (add_rmsnorm_linear, kernels
+    2.2), silu(gate) * up in the gate/up matmul's stores, and a decode's RoPE, KV write and attention in one (2.3)."""
 
     def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
@@ -1487,9 +1476,8 @@ class TunedDecoderLayer(DecoderLayer):
 
 
 class BoundedGraphRunner(GraphRunner):
-    """GraphRunner for decode_attention, whose tiles depend on how long the contexts are (it packs kv heads
-    while every context is short): each decode bucket has one graph per side of each such bound
-    (kernels.decode_context_bounds), and a step replays the one its longest context allows."""
+    """GraphRunner for decode_attention, whose tiles depend on how long the contexts are (it packs kv heads while
+    all are short): each decode bucket has a graph per side of each bound; a step replays the one its longest allows."""
 
     def context_bounds(self, b: int) -> tuple:
         """Bucket b's context bounds: the kernel's, then any context the block table holds."""
@@ -1534,8 +1522,7 @@ class SteadyInputBuilder(InputBuilder):
     prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
 
     def rows(self, plan) -> np.ndarray:
-        """A standing SteadyDecode holds the blocks it handed out (`entered`) until it is dropped: they are
-        appended here, in the order they were handed out."""
+        """Also the blocks a standing SteadyDecode handed out (`entered`), in order: its requests get them later."""
         rows = super().rows(plan)
         if plan.steady is not None:
             for due, blocks in plan.steady.entered:
@@ -1621,8 +1608,7 @@ class SteadyInputBuilder(InputBuilder):
         d.query_start_loc, d.logits_indices = d.query_start_loc[:len(kept) + 1], d.logits_indices[:len(kept)]
 
     def _advance(self, d: DecodeRows, plan):
-        """Every request one token on. Those whose new token starts a block (the plan's `entering`) take
-        their slot from it, and the block table gains it."""
+        """Every request one token on; one whose token starts a block (`entering`) takes its slot and column there."""
         d.ints64 += 1  # positions, slots and counters in one operation
         d.max_seq_len, d.step = d.max_seq_len + 1, plan.step
         entering, blocks = plan.entering
@@ -1779,8 +1765,7 @@ def tp_worker(cfg: EngineConfig, rank: int, port: int, errors):
 
 
 class VocabEmbedding(nn.Embedding):
-    """A rank's rows of the embedding, ids [start, start + rows): an id outside them looks up zeros, and the
-    all-reduce at the first add_rmsnorm sums the ranks' lookups into the embedding."""
+    """A rank's rows of the embedding: other ids look up zeros, and the first add_rmsnorm's all-reduce sums them."""
 
     def __init__(self, weight: torch.Tensor, start: int):
         super().__init__(*weight.shape, _weight=weight)
@@ -1843,9 +1828,8 @@ class TPModel(Model):
 
 
 def tp_ops(ops: SimpleNamespace) -> SimpleNamespace:
-    """ops whose add_rmsnorm and add_rmsnorm_linear sum x over the ranks first: x is the embedding, or an o_proj,
-    MLP or MoE output, every partial sum meets the residual stream there. A new namespace: Part 2's
-    add_rmsnorm_then_linear keeps the old one's add_rmsnorm, so x is summed once."""
+    """ops whose add_rmsnorm and add_rmsnorm_linear sum x over the ranks first (the embedding, or an o_proj, MLP or
+    MoE output: a partial sum). A new namespace: add_rmsnorm_then_linear keeps the old add_rmsnorm, summing once."""
     def all_reduced(op, x: torch.Tensor, *args, **kwargs):
         dist.all_reduce(x)
         return op(x, *args, **kwargs)

@@ -571,11 +571,10 @@ class SteadyDecode:
     """The running set as numpy arrays, for the steps that only move every request on by one token: while the set
     stays the same, a step is planned with one numpy operation (counts + 1), not a pass over the requests in Python.
 
-    While it stands, its arrays are the truth about its requests (counts, tokens sampled, blocks handed out); they
-    get it all back when the set is dropped (hand_back), before anything reads them: only the general path and a
-    finishing request do. Requests that finish only leave it (`without`): the rest go on in a new, smaller
-    instance, so a runner can compact its rows and a step launched before the change can land its tokens
-    (`kept_of`). A join, abort or preemption drops it."""
+    While it stands, its arrays are the truth about its requests (counts, tokens sampled, blocks handed out); they get
+    it all back (hand_back) when the set is dropped, before the general path or a finishing request reads them.
+    Requests that finish only leave it (`without`): the rest go on in a new, smaller instance, so a runner can compact
+    its rows and a step launched before can land its tokens (`kept_of`). A join, abort or preemption drops it."""
     requests: tuple[Request, ...]  # a new tuple with each instance: a runner tells a set by identity
     # (n,) int64 num_computed_tokens. Replaced each step, never changed in place: a plan's starts and its
     # placeholder indices are earlier arrays, and must keep their values.
@@ -720,8 +719,7 @@ class SteadyBook(RequestBook):
 
 
 class SteadyScheduler(Scheduler):
-    """Scheduler that plans a decode of an unchanged running set on the SteadyDecode's arrays: the plan the
-    general path would make, without its per-request loop. It needs a SteadyBook."""
+    """Scheduler that plans an unchanged running set's decode on SteadyDecode's arrays, with no per-request loop."""
 
     def _plan(self) -> SchedulerOutput:
         """The steady step where it is the general path's plan; else that plan, which may start a steady decode."""
@@ -761,9 +759,8 @@ class SteadyScheduler(Scheduler):
                             step=self.step_id, steady=s, entering=entering)
 
     def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
-        """The requests due for more than +1: each gets the block its token starts (short of its last
-        token, _steady_step saw to those, a request is due only there). Returns (their indices, the
-        blocks), or None when blocks are short and the general path must decide whom to preempt."""
+        """The requests due for more than +1 (short of the last token, _steady_step saw to those, only where a token
+        starts a block) each get that block: (their indices, the blocks), or None if short: the general path preempts."""
         due = np.flatnonzero(starts >= s.attend_at)
         if len(due) > self.blocks.num_free_blocks:
             return None
