@@ -704,15 +704,13 @@ class Engine:
     # -- around the steps: text (stop strings), checking requests, sizing the cache, streaming, closing ---
     def _check_stop_strings(self, report: list[Request]) -> list[Request]:
         """Finish each request whose text now holds one of its stop strings, as vLLM: the text ends before the
-        first, the token that completed it is the last (if that was its last allowed one, the reason is "stop"
-        still). Returns those of report that have an output to give."""
+        first, whose token is the last (reason "stop", even on the last allowed). Returns those with an output."""
         for req in report:
             if not req.params.stop or req.finish_reason not in (None, "length"):
                 continue
             # only where the new text reaches: any earlier match would have stopped it already
             start = len(req.text) - len(detokenize(self.tokenizer, req)) - max(map(len, req.params.stop)) + 1
-            found = [i for i in (req.text.find(s, max(start, 0)) for s in req.params.stop) if i >= 0]
-            if found:
+            if found := [i for i in (req.text.find(s, max(start, 0)) for s in req.params.stop) if i >= 0]:
                 req.text = req.text[:min(found)]
                 if req.status == FINISHED:
                     req.finish_reason = "stop"
@@ -733,11 +731,10 @@ class Engine:
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"prompt={prompt!r:.80} has type {type(prompt).__name__}: give a string or a list of "
                             "token ids")
-        if not all(type(t) is int for t in prompt):  # one quick pass for the usual case; numpy ints pass too
-            bad = next((i for i, t in enumerate(prompt) if not is_int(t)), None)
-            if bad is not None:
-                raise TypeError(f"prompt[{bad}]={prompt[bad]!r:.80} has type {type(prompt[bad]).__name__}: token "
-                                "ids must be integers")
+        bad = next((i for i, t in enumerate(prompt) if type(t) is not int and not is_int(t)), None)
+        if bad is not None:
+            raise TypeError(f"prompt[{bad}]={prompt[bad]!r:.80} has type {type(prompt[bad]).__name__}: token ids "
+                            "must be integers")
         return [int(t) for t in prompt]
 
     def _check(self, prompt, params, request_id: str | None) -> tuple[list[int], SamplingParams]:
@@ -750,11 +747,9 @@ class Engine:
         vocab, limit = self.model.config.vocab_size, self.max_model_len
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
+        if bad := [t for t in ids if not 0 <= t < vocab]:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary: ids must be in [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
             raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary: ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r:.80} needs text, but model={self.cfg.model!r} has no tokenizer "
@@ -805,9 +800,8 @@ class Engine:
         return int(budget // per_block)
 
     def _activation_bytes(self) -> int:
-        """The most memory a step takes beyond the weights, measured as vLLM does: one forward of a full
-        step (max_num_batched_tokens tokens) on a dummy two-block cache. The graphs' shared pool holds the
-        largest graph's activations, so this counts them too, plus the graphs' static logits buffer."""
+        """The most memory a step takes beyond the weights, as vLLM measures it: one forward of a full step on a
+        dummy cache. The graphs' pool holds the largest graph's activations: counted too, with the logits buffer."""
         mc, cfg, bs = self.model.config, self.cfg, self.cfg.block_size
         T = min(cfg.max_num_batched_tokens, self.max_model_len)
         with torch.device(cfg.device):  # the dummy step's tensors
@@ -832,8 +826,7 @@ class Engine:
         Closing the generator early (a break: a client gone) aborts the request, as vLLM does."""
         params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
                                                                   params.output_kind != "final_only" else "delta"))
-        rid = self.add_request(prompt, params)  # first: it checks that the engine is open
-        req = self.book.requests[rid]
+        req = self.book.requests[self.add_request(prompt, params)]  # add_request first: it checks the engine is open
         self.streamed.add(req)
         step = self._step_async if self.cfg.async_scheduling else self._step
         try:
@@ -874,8 +867,7 @@ class Engine:
 
 
 def request_metrics(req: Request, n: int) -> dict:
-    """The request's times (time.perf_counter s), time to first token, and time per output token after the first
-    (n: its output tokens on the host, which the caller has at hand)."""
+    """The request's times (time.perf_counter s), TTFT, and time per output token after the first (n: its tokens)."""
     first, done = req.first_token_time, req.finished_time
     return dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time, first_token_time=first,
                 finished_time=done, ttft=None if first is None else first - req.arrival_time,
@@ -883,10 +875,9 @@ def request_metrics(req: Request, n: int) -> dict:
 
 
 def detokenize(tokenizer, req: Request, final: bool = False) -> str:
-    """Append to req.text what its new tokens add, and return it. Decoded as vLLM does, incrementally: the tokens
-    decoded last are decoded again with the new ones, for context, and the new text is the difference. While it
-    ends in an incomplete UTF-8 sequence ("\ufffd": a character whose bytes span tokens) it is held back, unless
-    the request has ended."""
+    """Append to req.text what its new tokens add, and return it. Decoded incrementally, as vLLM: the tokens decoded
+    last are decoded again with the new ones, for context, and the new text is the difference; while it ends in an
+    incomplete UTF-8 sequence ("\ufffd": a character whose bytes span tokens) it is held back, unless final."""
     ids, start = req.output_token_ids, req.prefix_offset
     before = tokenizer.decode(ids[start:req.read_offset], skip_special_tokens=True)
     after = tokenizer.decode(ids[start:], skip_special_tokens=True)
@@ -936,18 +927,13 @@ class LLM:
         done = {}
         step = engine.step_async if engine.cfg.async_scheduling else engine.step
         while engine.has_unfinished():
-            for o in step():
-                done[o.request_id] = o
+            done.update((o.request_id, o) for o in step())
         return [done[rid] for rid in ids]
 
     def close(self):
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
+    __enter__, __exit__ = Engine.__enter__, Engine.__exit__  # `with LLM(...) as llm:` closes it on the way out
 
 
 def prompt_list(prompts) -> list:
@@ -974,12 +960,10 @@ def check_params(name: str, params) -> SamplingParams:
     return params
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Measuring steps: where a step's time goes (run.py's benchmarks read it)
 class StepStats:
-    """Where a step's time goes. host = all but the forward + sampler launch and the wait for tokens (scheduling,
-    batch building, bookkeeping). With `timing` on (benchmarks; off by default) each step's time is kept by kind
-    (with prompt tokens, or decode only): CUDA events' device time on CUDA, the forward's wall time on the CPU."""
+    """Where a step's time goes (run.py's benchmarks read it). host = all but the forward + sampler launch and the
+    wait for tokens (scheduling, batch building, bookkeeping). With `timing` on (off by default) each step's time is
+    kept by kind (prompt tokens or decode only): CUDA events' device time on CUDA, the forward's wall time on CPU."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.timing = cuda, False
@@ -995,11 +979,9 @@ class StepStats:
         return self.total_s - self.forward_s - self.wait_s
 
     def now(self):
-        if not self.timing:
-            return None
-        if not self.cuda:
-            return time.perf_counter()
-        return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+        if self.timing and self.cuda:
+            return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+        return time.perf_counter() if self.timing else None
 
     def end(self, start, prompt: bool):
         if start is not None:
@@ -1232,9 +1214,8 @@ class EngineConfig:
             self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
 
     def _check_types(self):
-        """A TypeError for a setting of the wrong type, before any value is looked at: each field holds the
-        type its annotation says (a float any number, a tuple any list of integers), or None where that is
-        its default. A path may also be a pathlib.Path, and dtype a torch.dtype."""
+        """A TypeError for a setting of the wrong type, before any value is looked at: each field holds the type
+        its annotation says (a float any number, a tuple any list of integers), or None where that is its default."""
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         if isinstance(self.dtype, torch.dtype):
@@ -1405,8 +1386,7 @@ def build_model(cfg: EngineConfig) -> tuple[Model, str | None]:
 
 
 def engine_parts(cfg: EngineConfig) -> SimpleNamespace:
-    """The classes an Engine is built from: the chapter's, or Part 2's subclasses where cfg.tuned names them,
-    or Part 3's under tensor parallelism."""
+    """The classes an Engine is built from: the chapter's, Part 2's where cfg.tuned names them, or Part 3's."""
     steady, tp = "steady" in cfg.tuned, tensor_parallel(cfg)
     return SimpleNamespace(book=SteadyBook if steady else RequestBook,
                            scheduler=SteadyScheduler if steady else Scheduler,
@@ -1434,7 +1414,6 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
     tuned forward's structure is tested. Part 1's kernels keep plain launches: a PDL chain is Part 2's."""
     v, triton = cfg.tuned, cfg.triton
     pdl = triton and "pdl" in v and kernels.has_pdl(torch.device(cfg.device))
-    pick = lambda name: partial(getattr(kernels, name), pdl=pdl) if triton else getattr(kernels, name + "_ref")  # noqa
     ops.add_rmsnorm_linear = partial(add_rmsnorm_then_linear, ops)  # Part 1's kernels, one after the other
     ops.decode_attention, ops.decode_context_bounds = None, no_context_bounds
     if "gemv" in v:
@@ -1448,18 +1427,15 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
             ops.linear = partial(kernels.linear, max_rows=rows, narrow_rows=narrow, pdl=pdl)
         ops.add_rmsnorm_linear = partial(kernels.add_rmsnorm_linear, max_rows=rows, narrow_rows=narrow, pdl=pdl) \
             if triton else kernels.add_rmsnorm_linear_ref
-    if "decode_attention" in v:
-        ops.decode_attention = pick("decode_attention")
-        if triton:
-            ops.decode_context_bounds = kernels.decode_context_bounds
+    for variant, op in dict(decode_attention="decode_attention", moe_route="moe_route", sampler="race_sample").items():
+        if variant in v:  # the kernel of the op's name, or its reference
+            setattr(ops, op, partial(getattr(kernels, op), pdl=pdl) if triton else getattr(kernels, op + "_ref"))
+    if "decode_attention" in v and triton:
+        ops.decode_context_bounds = kernels.decode_context_bounds
     if "prefill_attention" in v and triton:  # without Triton, paged_attention_ref stays: the same math
         ops.paged_attention = partial(kernels.prefill_attention, pdl=pdl, min_tokens=kernels.PREFILL_MIN_TOKENS)
     if "moe_decode" in v:
         ops.fused_moe = partial(kernels.fused_moe_tuned, pdl=pdl) if triton else kernels.fused_moe_ref
-    if "moe_route" in v:
-        ops.moe_route = pick("moe_route")
-    if "sampler" in v:
-        ops.race_sample = pick("race_sample")
     return ops
 
 
@@ -1476,9 +1452,8 @@ def add_rmsnorm_then_linear(ops, x, residual, norm_weight, eps, weight, bias=Non
 
 
 class TunedDecoderLayer(DecoderLayer):
-    """DecoderLayer on the tuned path (gemv, decode_attention): each add + RMSNorm is made as the matmul
-    after it loads its row (ops.add_rmsnorm_linear, kernels 2.2), silu(gate) * up as the gate/up matmul
-    stores, and a decode batch's RoPE, KV write and attention run in one launch (kernels 2.3)."""
+    """DecoderLayer on the tuned path: each add + RMSNorm runs in the matmul after it (add_rmsnorm_linear, kernels
+    2.2), silu(gate) * up in the gate/up matmul's stores, and a decode's RoPE, KV write and attention in one (2.3)."""
 
     def forward(self, x, residual, batch, k_cache, v_cache, cos_sin, ops):
         attn, mlp, eps = self.self_attn, self.mlp, self.eps
@@ -1501,9 +1476,8 @@ class TunedDecoderLayer(DecoderLayer):
 
 
 class BoundedGraphRunner(GraphRunner):
-    """GraphRunner for decode_attention, whose tiles depend on how long the contexts are (it packs kv heads
-    while every context is short): each decode bucket has one graph per side of each such bound
-    (kernels.decode_context_bounds), and a step replays the one its longest context allows."""
+    """GraphRunner for decode_attention, whose tiles depend on how long the contexts are (it packs kv heads while
+    all are short): each decode bucket has a graph per side of each bound; a step replays the one its longest allows."""
 
     def context_bounds(self, b: int) -> tuple:
         """Bucket b's context bounds: the kernel's, then any context the block table holds."""
@@ -1527,9 +1501,8 @@ class BoundedGraphRunner(GraphRunner):
 
 @dataclass(eq=False)
 class DecodeRows:
-    """A decode batch kept from step to step while the running set is unchanged (scheduler.SteadyDecode):
-    every request moves on by one token, so its position, KV slot and sequence length are all +1 and its
-    sampling settings do not change. The settings, query_start_loc and logits_indices are staged once."""
+    """A decode batch kept from step to step while the running set is unchanged (scheduler.SteadyDecode): each
+    request moves on by one token (its position, KV slot and sequence length +1); the rest is staged once."""
     steady: object                 # the SteadyDecode these rows follow
     step: int                      # the scheduler step the arrays hold
     rows: np.ndarray               # (n,) each request's persistent row
@@ -1549,8 +1522,7 @@ class SteadyInputBuilder(InputBuilder):
     prev_steady = None  # the SteadyDecode of the last step's plan, if it had one
 
     def rows(self, plan) -> np.ndarray:
-        """A standing SteadyDecode holds the blocks it handed out (`entered`) until it is dropped: they are
-        appended here, in the order they were handed out."""
+        """Also the blocks a standing SteadyDecode handed out (`entered`), in order: its requests get them later."""
         rows = super().rows(plan)
         if plan.steady is not None:
             for due, blocks in plan.steady.entered:
@@ -1568,12 +1540,9 @@ class SteadyInputBuilder(InputBuilder):
             return super().prepare(plan)
         if plan.requests is self.prev_sampling:
             return self._prepare_steady(plan, None)
-        prev = self.prev_steady  # some requests of last step's steady decode may have left it since
-        if prev is not None and prev is not plan.steady and self.prev_sampling is prev.requests:
-            kept = plan.steady.kept_of(prev)  # last step's indices of the requests plan decodes, or None
-            if kept is not None:  # their tokens are only in last step's output
-                return self._prepare_steady(plan, kept)
-        return self._prepare_formed(plan)
+        prev = self.prev_steady  # kept: where some of its requests left since, the rest's indices in its output
+        kept = None if prev is None or self.prev_sampling is not prev.requests else plan.steady.kept_of(prev)
+        return self._prepare_formed(plan) if kept is None else self._prepare_steady(plan, kept)
 
     def _prepare_steady(self, plan, kept: np.ndarray | None) -> tuple[Batch, SamplingBatch, tuple]:
         """A decode of last step's requests, or of those still running (last step's indices `kept`)."""
@@ -1583,16 +1552,15 @@ class SteadyInputBuilder(InputBuilder):
         if kept is not None:
             self._condense(d, plan, kept)
         self._advance(d, plan)
-        kept_index = {} if kept is None else dict(kept=kept)
-        t = self.staging.to_device(dict(d.named, block_table=d.block_table, **kept_index))
-        input_ids = self.prev_tokens if kept is None else self.prev_tokens[t.kept]
-        if kept is not None:  # the sampling settings of the rows that stay, gathered on the device
-            sp = d.sampling
-            d.sampling = SamplingBatch(temperature=sp.temperature[t.kept], top_k=sp.top_k[t.kept],
-                                       top_p=sp.top_p[t.kept], seeds=sp.seeds[t.kept], counters=None,
-                                       all_greedy=not self.temperature[d.rows].any(),
-                                       need_filter=bool(self.filtered[d.rows].any()))
-        return self._rows_batch(d, input_ids, t), d.sampling, plan.requests
+        if kept is None:
+            t = self.staging.to_device(dict(d.named, block_table=d.block_table))
+            return self._rows_batch(d, self.prev_tokens, t), d.sampling, plan.requests
+        t = self.staging.to_device(dict(d.named, block_table=d.block_table, kept=kept))
+        sp, k = d.sampling, t.kept  # the sampling settings of the rows that stay, gathered on the device
+        d.sampling = replace(sp, temperature=sp.temperature[k], top_k=sp.top_k[k], top_p=sp.top_p[k],
+                             seeds=sp.seeds[k], all_greedy=not self.temperature[d.rows].any(),
+                             need_filter=bool(self.filtered[d.rows].any()))
+        return self._rows_batch(d, self.prev_tokens[k], t), d.sampling, plan.requests
 
     def _prepare_formed(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
         """The first step of a steady decode: its rows are built now, so the next step only advances them.
@@ -1640,11 +1608,9 @@ class SteadyInputBuilder(InputBuilder):
         d.query_start_loc, d.logits_indices = d.query_start_loc[:len(kept) + 1], d.logits_indices[:len(kept)]
 
     def _advance(self, d: DecodeRows, plan):
-        """Every request one token on. Those whose new token starts a block (the plan's `entering`) take
-        their slot from it, and the block table gains it."""
+        """Every request one token on; one whose token starts a block (`entering`) takes its slot and column there."""
         d.ints64 += 1  # positions, slots and counters in one operation
-        d.max_seq_len += 1
-        d.step = plan.step
+        d.max_seq_len, d.step = d.max_seq_len + 1, plan.step
         entering, blocks = plan.entering
         if len(entering):
             rows, cols = d.rows[entering], d.ints64[0, entering] // self.block_size
@@ -1660,11 +1626,9 @@ class SteadyInputBuilder(InputBuilder):
 # ----------------------------------------------------------------------------------------------------------
 # Part 3: tensor parallel (EngineConfig.tensor_parallel_size). Each rank is a process with a share of every
 # weight, running the same forward; rank 0 is the engine's own process (API, scheduler) and sends each step's
-# inputs to the others. It attaches in build_model (TPGroup, TPModel, tp_ops) and engine_parts (TPInputBuilder,
-# TPRunner). Every rank samples the same tokens: they all hold the same gathered logits, and the sampler is a
-# pure function of (seed, token index, id); so a rank's async placeholders come from its own sampled tokens.
+# inputs to the others. Every rank samples the same tokens: they all hold the same gathered logits, and the
+# sampler is a pure function of (seed, token index, id); so a rank's async placeholders are its own tokens.
 import contextlib  # noqa: E402 (Part 3's imports, where it starts)
-import multiprocessing as mp  # noqa: E402
 import multiprocessing.connection  # noqa: E402
 import socket  # noqa: E402
 import traceback  # noqa: E402
@@ -1674,15 +1638,13 @@ import torch.distributed as dist  # noqa: E402
 
 TP_HOST = "127.0.0.1"  # every socket of the group listens on loopback: nothing outside the machine can join
 TP_GLOO = "nanoengine_gloo"  # gloo on TP_HOST (plain gloo listens wherever the hostname resolves)
-TP_SCALARS = 5  # InputBuilder.host_inputs' scalars: max_query_len, max_seq_len, all_greedy, need_filter, same
-TP_HEADER = 1 + 2 * len(staged_bounds(1, 1, 1)) + TP_SCALARS  # a step's header: stop, each array's shape, scalars
+TP_HEADER = 1 + 2 * len(staged_bounds(1, 1, 1)) + 5  # a step's header: stop, each array's shape, host_inputs' 5 scalars
 TP_WAIT_S = 5.0  # how long a rank is waited for (to stop, or to report its error) before it is killed
 
 
 class TPGroup:
-    """This process's place among the ranks: its rank and their number; on rank 0 also the other ranks'
-    processes and their error pipes. close() (a second call does nothing) and the last reference stop every
-    rank and leave the group, so no process, port or socket outlives it."""
+    """This process's place among the ranks (on rank 0, also the others' processes and error pipes). close() (a
+    second call does nothing) or the last reference stops every rank and leaves the group: nothing outlives it."""
 
     def __init__(self, cfg: EngineConfig, rank: int):
         self.rank, self.size, self.procs, self.errors, self.failed = rank, cfg.tensor_parallel_size, [], [], None
@@ -1705,7 +1667,7 @@ class TPGroup:
         group, listener = cls(cfg, 0), socket.create_server((TP_HOST, 0))  # port 0: a free one, picked now
         store = dist.TCPStore(TP_HOST, listener.getsockname()[1], n, is_master=True, wait_for_workers=False,
                               master_listen_fd=listener.detach())  # the store owns the socket, and closes it
-        spawn = mp.get_context("spawn")  # a fresh interpreter: a forked one could not use CUDA
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: a forked one could not use CUDA
         for rank in range(1, n):
             errors, sender = spawn.Pipe(duplex=False)
             group.procs.append(spawn.Process(target=tp_worker, args=(cfg, rank, store.port, sender), daemon=True))
@@ -1721,7 +1683,7 @@ class TPGroup:
         """Raise one clear error, and stop every rank, if a rank has failed: its pipe holds its traceback, or
         reads as closed (it exited); `wait` s for one to, as a collective that raised (`cause`) means one is."""
         if self.failed is None:
-            ready = mp.connection.wait(self.errors, timeout=wait)
+            ready = multiprocessing.connection.wait(self.errors, timeout=wait)
             if not ready and cause is None:
                 return
             self.failed = f"rank 0 raised {cause!r}"
@@ -1786,8 +1748,7 @@ def stop_ranks(procs: list, errors: list, state: SimpleNamespace):
 
 def tp_worker(cfg: EngineConfig, rank: int, port: int, errors):
     """A rank other than 0, in its own process: join rank 0's group, build the same engine on this rank's share
-    (the same collectives, in the same order), then run rank 0's steps until it sends stop. An error goes to
-    rank 0 before the process exits."""
+    (the same collectives, in the same order), and run rank 0's steps until it says stop; an error goes to rank 0."""
     try:
         if cfg.device.startswith("cuda"):  # rank r on the r-th GPU from the engine's
             cfg = replace(cfg, device=f"cuda:{(torch.device(cfg.device).index or 0) + rank}")
@@ -1804,8 +1765,7 @@ def tp_worker(cfg: EngineConfig, rank: int, port: int, errors):
 
 
 class VocabEmbedding(nn.Embedding):
-    """A rank's rows of the embedding, ids [start, start + rows): an id outside them looks up zeros, and the
-    all-reduce at the first add_rmsnorm sums the ranks' lookups into the embedding."""
+    """A rank's rows of the embedding: other ids look up zeros, and the first add_rmsnorm's all-reduce sums them."""
 
     def __init__(self, weight: torch.Tensor, start: int):
         super().__init__(*weight.shape, _weight=weight)
@@ -1868,10 +1828,8 @@ class TPModel(Model):
 
 
 def tp_ops(ops: SimpleNamespace) -> SimpleNamespace:
-    """ops whose add_rmsnorm and add_rmsnorm_linear sum x over the ranks first. x is the embedding, or an o_proj,
-    MLP or MoE output: every partial sum meets the residual stream there, so a layer's two all-reduces (and the
-    embedding's and the final norm's) are theirs. A new namespace: Part 2's add_rmsnorm_then_linear keeps the
-    old one's add_rmsnorm, so x is summed once."""
+    """ops whose add_rmsnorm and add_rmsnorm_linear sum x over the ranks first (the embedding, or an o_proj, MLP or
+    MoE output: a partial sum). A new namespace: add_rmsnorm_then_linear keeps the old add_rmsnorm, summing once."""
     def all_reduced(op, x: torch.Tensor, *args, **kwargs):
         dist.all_reduce(x)
         return op(x, *args, **kwargs)
@@ -1883,9 +1841,8 @@ def tp_ops(ops: SimpleNamespace) -> SimpleNamespace:
 
 class TPStaging(Staging):
     """Staging among the ranks, with no Python object pickled: rank 0 broadcasts a header of int64s (stop, each
-    array's shape, the step's host scalars), then each packed per-dtype buffer just after its one copy to the
-    device (on CUDA over NCCL, the header over gloo); the others receive them into buffers of their own and
-    take the same views (receive)."""
+    array's shape, the host scalars) over gloo, then each packed per-dtype buffer after its copy to the device;
+    the others stage arrays of those shapes the same way, and the buffers land in their own (receive)."""
 
     def __init__(self, device: torch.device, bounds: dict[str, tuple[str, int]]):
         super().__init__(device, bounds, packed=True)
@@ -1900,7 +1857,7 @@ class TPStaging(Staging):
 
     def on_device(self, packed: torch.Tensor) -> torch.Tensor:
         dev = super().on_device(packed)
-        dist.broadcast(dev, 0)
+        dist.broadcast(dev, 0)  # on the other ranks, rank 0's buffer lands in this one
         return dev
 
     def receive(self) -> list | None:
@@ -1910,21 +1867,13 @@ class TPStaging(Staging):
         stop, *header = header.tolist()
         if stop:
             return None
-        shapes = {name: tuple(n for n in header[2 * i:2 * i + 2] if n >= 0) for i, name in enumerate(self.bounds)}
-        tensors = {}
-        for dtype in dict.fromkeys(d for d, _ in self.bounds.values()):  # as rank 0's to_device groups them
-            names = [name for name, (d, _) in self.bounds.items() if d == dtype]
-            sizes = [math.prod(shapes[name]) for name in names]
-            offsets, total = aligned_offsets(sizes, np.dtype(dtype).itemsize)
-            dev = torch.empty(total, dtype=getattr(torch, dtype), device=self.device)
-            dist.broadcast(dev, 0)
-            tensors.update({name: dev[o:o + n].view(shapes[name]) for name, o, n in zip(names, offsets, sizes)})
-        return [SimpleNamespace(**tensors), *header[2 * len(self.bounds):]]
+        arrays = {name: np.empty([n for n in header[2 * i:2 * i + 2] if n >= 0], dtype)
+                  for i, (name, (dtype, _)) in enumerate(self.bounds.items())}
+        return [Staging.to_device(self, arrays), *header[2 * len(self.bounds):]]  # Staging's: no header to send
 
 
 class TPInputBuilder(InputBuilder):
-    """Rank 0's InputBuilder sends each step's inputs (TPStaging); the others' build the same Batch and
-    SamplingBatch from them, with the same code (device_inputs: TPRunner.serve)."""
+    """Rank 0's sends each step's inputs to the others (TPStaging), whose device_inputs build the same batch."""
     staging_type = TPStaging
 
     def prepare(self, plan) -> tuple[Batch, SamplingBatch, tuple]:
@@ -1934,8 +1883,7 @@ class TPInputBuilder(InputBuilder):
 
 class TPRunner(ModelRunner):
     """A rank's ModelRunner: the same KV cache and graphs on every rank, captured in the same order (their
-    collectives pair up). Rank 0's launches the engine's steps, each watched for a failed rank; the others'
-    serve() rank 0's steps until it says stop."""
+    collectives pair up). Rank 0's steps are watched for a failed rank; the others serve() until told to stop."""
 
     def __init__(self, model: TPModel, cfg: EngineConfig, num_blocks: int, *args):
         with model.group.watch():

@@ -481,10 +481,9 @@ def takes_vllm_fields(cls):
 @takes_vllm_fields
 @dataclass
 class SamplingParams:
-    """How one request samples, as vLLM's SamplingParams, checked when made (check_type, require); vLLM's other
-    fields only at their off values (VLLM_OFF). "No limit" values, as vLLM: top_k -1 or 0, or any top_k >= the
-    vocabulary (vLLM clamps it too); top_p 1.0. Token ids >= the vocabulary (stop_token_ids), and stop strings on
-    a model without a tokenizer, are refused by Engine.add_request, which knows the model."""
+    """How one request samples, as vLLM's SamplingParams, checked when made; vLLM's other fields only at their off
+    values (VLLM_OFF). Any top_k >= the vocabulary is no limit too (vLLM clamps it). Token ids >= the vocabulary,
+    and stop strings on a model without a tokenizer, are refused by Engine.add_request, which knows the model."""
     temperature: float = 1.0    # 0 means greedy; vLLM's default is 1.0 too. Finite: inf is refused, as in vLLM
     top_p: float = 1.0          # nucleus sampling: keep the fewest tokens whose mass reaches top_p; 1 keeps all
     top_k: int = -1             # keep the k most likely tokens; -1 or 0 keep all (vLLM: both mean off)
@@ -496,12 +495,9 @@ class SamplingParams:
     stop: tuple = ()            # strings that end the request once its text holds one (not in the text, as vLLM)
 
     def __post_init__(self):
-        for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"),
-                           ("max_tokens", "int"), ("ignore_eos", "bool"), ("output_kind", "str")):
-            check_type(name, getattr(self, name), kind)
-        check_type("seed", self.seed, "int", optional=True)
-        check_type("stop_token_ids", self.stop_token_ids, "ints", optional=True)
-        check_type("stop", self.stop, "strs", optional=True)
+        for name, kind in dict(temperature="number", top_p="number", top_k="int", max_tokens="int", ignore_eos="bool",
+                               output_kind="str", seed="int", stop_token_ids="ints", stop="strs").items():
+            check_type(name, getattr(self, name), kind, optional=name in ("seed", "stop_token_ids", "stop"))
         strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         require(all(strings), "stop", self.stop, "a non-empty string, or a list of them")
         require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
@@ -572,16 +568,13 @@ class SteadyOutput(SchedulerOutput):
 
 @dataclass(eq=False)
 class SteadyDecode:
-    """The running set as numpy arrays, for the steps that only move every request on by one token.
+    """The running set as numpy arrays, for the steps that only move every request on by one token: while the set
+    stays the same, a step is planned with one numpy operation (counts + 1), not a pass over the requests in Python.
 
-    Most steps are the last step's plan one token later, so while the running set stays the same its counts live in
-    arrays here, and a step is planned with one numpy operation (counts + 1), not a pass over the requests in Python.
-
-    While it stands, its arrays are the truth about its requests (counts, tokens sampled, blocks handed out); they
-    get it all back when the set is dropped (hand_back), before anything reads them: only the general path and a
-    finishing request do. Requests that finish only leave it (`without`): the rest go on in a new, smaller
-    instance, so a runner can compact its rows and a step launched before the change can land its tokens
-    (`kept_of`). A join, abort or preemption drops it."""
+    While it stands, its arrays are the truth about its requests (counts, tokens sampled, blocks handed out); they get
+    it all back (hand_back) when the set is dropped, before the general path or a finishing request reads them.
+    Requests that finish only leave it (`without`): the rest go on in a new, smaller instance, so a runner can compact
+    its rows and a step launched before can land its tokens (`kept_of`). A join, abort or preemption drops it."""
     requests: tuple[Request, ...]  # a new tuple with each instance: a runner tells a set by identity
     # (n,) int64 num_computed_tokens. Replaced each step, never changed in place: a plan's starts and its
     # placeholder indices are earlier arrays, and must keep their values.
@@ -726,13 +719,12 @@ class SteadyBook(RequestBook):
 
 
 class SteadyScheduler(Scheduler):
-    """Scheduler that plans a decode of an unchanged running set on the SteadyDecode's arrays: the plan the
-    general path would make, without its per-request loop. It needs a SteadyBook."""
+    """Scheduler that plans an unchanged running set's decode on SteadyDecode's arrays, with no per-request loop."""
 
     def _plan(self) -> SchedulerOutput:
-        return self._steady_step() or self._general_plan()
-
-    def _general_plan(self) -> SchedulerOutput:
+        """The steady step where it is the general path's plan; else that plan, which may start a steady decode."""
+        if (plan := self._steady_step()) is not None:
+            return plan
         self.book.drop_steady()
         plan = SteadyOutput(**vars(super()._plan()))
         # Only requests that want just their final output (LLM.generate's): streamed ones, and those with stop
@@ -767,9 +759,8 @@ class SteadyScheduler(Scheduler):
                             step=self.step_id, steady=s, entering=entering)
 
     def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
-        """The requests due for more than +1: each gets the block its token starts (short of its last
-        token, _steady_step saw to those, a request is due only there). Returns (their indices, the
-        blocks), or None when blocks are short and the general path must decide whom to preempt."""
+        """The requests due for more than +1 (short of the last token, _steady_step saw to those, only where a token
+        starts a block) each get that block: (their indices, the blocks), or None if short: the general path preempts."""
         due = np.flatnonzero(starts >= s.attend_at)
         if len(due) > self.blocks.num_free_blocks:
             return None
