@@ -60,12 +60,6 @@ def note(text: str):
     print(text, file=sys.stderr, flush=True)
 
 
-def fill_defaults(a, names):
-    for name in names:
-        if getattr(a, name) is None:
-            setattr(a, name, DEVICE_DEFAULTS[name][0 if a.device.startswith("cuda") else 1])
-
-
 def engine_settings(a, **settings) -> dict:
     return {name: getattr(a, name) for name in ENGINE_FLAGS if hasattr(a, name)} | settings
 
@@ -297,7 +291,6 @@ def launch_model(engine: Engine, prof, floor_ms: float, tau: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # run.py online: requests arrive over time; what a user waits for
 def cmd_online(a):
-    fill_defaults(a, ("requests", "min_prompt", "max_prompt", "output_len", "join_prompt_len"))
     if a.min_prompt > a.max_prompt:
         raise ValueError(f"--min-prompt {a.min_prompt} is more than --max-prompt {a.max_prompt}")
     rates = [None] if a.burst else online_rates(a.rate)
@@ -454,7 +447,6 @@ def cmd_generate(a):
 
 def cmd_bench(a):
     """nano-vllm's offline protocol: random prompt and output lengths in [min_len, max_len], ignore_eos."""
-    fill_defaults(a, ("num_requests", "min_len", "max_len"))
     if a.min_len > a.max_len:
         raise ValueError(f"--min-len {a.min_len} is more than --max-len {a.max_len}")
     bandwidth, bandwidth_fields = floor_bandwidth(a)  # before the engine takes the GPU's memory
@@ -610,6 +602,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = make_parser().parse_args(argv)
     if a.tuned is None:  # the commands whose job is speed turn Part 2 on; generate runs the chapter
         a.tuned = a.cmd != "generate"
+    for name, on_device in DEVICE_DEFAULTS.items():  # the flags of this command left unset: by the device
+        if getattr(a, name, 0) is None:
+            setattr(a, name, on_device[0 if a.device.startswith("cuda") else 1])
     return a
 
 
