@@ -933,9 +933,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _check_linear_args(x, weight, bias, gated)
     n, k = weight.shape
     x2 = x.reshape(-1, k)  # [M, K]
-    m = x2.shape[0]
-    if n <= LINEAR_NARROW_N:
-        max_rows = max(max_rows, narrow_rows)
+    m, max_rows = x2.shape[0], max(max_rows, narrow_rows) if n <= LINEAR_NARROW_N else max_rows
     if m > min(max_rows, LINEAR_MAX_M):  # cuBLAS
         if out is not None and bias is None and not gated:
             return torch.mm(x2, weight.t(), out=out.view(m, n)).view(out.shape)
@@ -1229,10 +1227,8 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     block_m, stages = max(16, heads * group_pad), 2  # fewer stages, more programs an SM: short contexts
     if heads > 1:  # key tiles of 128 columns (keys x heads)
         block_n, stages = max(16, heads, min(ATTN_PACK_BLOCK_N, 16384 // d)), 3
-    part_out = part_ml = out  # never read unless split
-    if num_splits > 1:
-        part_out = torch.empty((num_splits, b, h, d), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((num_splits, b, h, 2), dtype=torch.float32, device=q.device)
+    part_out, part_ml = (torch.empty((num_splits, b, h, n), dtype=torch.float32, device=q.device) for n in (d, 2)) \
+        if num_splits > 1 else (out, out)  # out: never read unless split
     has_norm = q_norm is not None
     _decode_attention_kernel[(b, hkv // heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_ml, _tickets(q.device), seq_lens, block_table, num_splits,
@@ -1661,10 +1657,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     splits = max(1, min(PREFILL_MAX_SPLITS, PREFILL_SPLIT_UNITS_PER_SM * sms // (triton.cdiv(t, block_q) * hkv)))
     if 2 + (t // block_q + b) * splits * hkv > MAX_TICKETS:  # a bound on the split tiles' tickets
         splits = 1
-    part_out = part_ml = out  # never read unless split
-    if splits > 1:
-        part_out = torch.empty((splits, t, h, d), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((splits, t, h, 2), dtype=torch.float32, device=q.device)
+    part_out, part_ml = (torch.empty((splits, t, h, n), dtype=torch.float32, device=q.device) for n in (d, 2)) \
+        if splits > 1 else (out, out)  # out: never read unless split
     _prefill_attention_kernel[(min(PREFILL_PROGRAMS_PER_SM * sms, (t // block_q + b) * splits * hkv),)](
         q, k_cache, v_cache, out, part_out, part_ml, _tickets(q.device), query_start_loc, seq_lens, block_table, b,
         splits, max(1, PREFILL_MIN_SPLIT_TILES), t * h, q.stride(0), q.stride(1), k_cache.stride(0),
