@@ -189,18 +189,9 @@ def same_share(outputs: list, reference: list) -> float:
 
 
 def overhead_header(engine: Engine, a, bandwidth: float, bandwidth_fields: dict) -> dict:
-    context = a.prompt_len + a.new_tokens // 2
-    floor = floor_seconds(engine, a.requests, context, bandwidth)
-    dev = torch.cuda.get_device_name() if engine.cuda else "cpu"
-    return dict(device=dev, model=a.model, dtype=engine.cfg.dtype, requests=a.requests, prompt_len=a.prompt_len,
-                new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4), **bandwidth_fields,
-                floor_note=f"decode step at mean context {context}: weights + KV bytes / {bandwidth / 1e12:.3f} TB/s")
-
-
-def floor_seconds(engine: Engine, batch: int, context: int, bandwidth: float) -> float:
-    """Bytes one decode step must move / bandwidth: weights once (for MoE only the experts a batch of this
-    size touches, in expectation), plus every request's KV, plus the logits written."""
-    mc, model = engine.model.config, engine.model
+    """The header line, with the floor of a decode step at mean context: the bytes it must move / bandwidth: weights
+    once (for MoE only the experts a batch of this size touches, in expectation), every request's KV, the logits."""
+    mc, model, batch, context = engine.model.config, engine.model, a.requests, a.prompt_len + a.new_tokens // 2
     total, elem = param_bytes(model), model.lm_head.weight.element_size()
     if not mc.tie_word_embeddings:  # the embedding table is only gathered from (B rows), not read whole
         total -= model.model.embed_tokens.weight.numel() * elem
@@ -210,7 +201,11 @@ def floor_seconds(engine: Engine, batch: int, context: int, bandwidth: float) ->
         touched = mc.num_experts * (1 - (1 - mc.num_experts_per_tok / mc.num_experts) ** batch)
         total -= moe_layers * (mc.num_experts - touched) * per_expert
     kv = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem * context * batch
-    return (total + kv + batch * mc.vocab_size * 4) / bandwidth
+    floor = (total + kv + batch * mc.vocab_size * 4) / bandwidth
+    return dict(device=torch.cuda.get_device_name() if engine.cuda else "cpu", model=a.model, dtype=engine.cfg.dtype,
+                requests=a.requests, prompt_len=a.prompt_len, new_tokens=a.new_tokens, floor_ms=round(floor * 1e3, 4),
+                **bandwidth_fields,
+                floor_note=f"decode step at mean context {context}: weights + KV bytes / {bandwidth / 1e12:.3f} TB/s")
 
 
 def run_engine(engine: Engine, prompts, params) -> dict:
