@@ -802,11 +802,10 @@ class Engine:
     def _activation_bytes(self) -> int:
         """The most memory a step takes beyond the weights, as vLLM measures it: one forward of a full step on a
         dummy cache. The graphs' pool holds the largest graph's activations: counted too, with the logits buffer."""
-        mc, cfg, bs = self.model.config, self.cfg, self.cfg.block_size
+        mc, cfg, bs, dtype = self.model.config, self.cfg, self.cfg.block_size, self.model.lm_head.weight.dtype
         T = min(cfg.max_num_batched_tokens, self.max_model_len)
         with torch.device(cfg.device):  # the dummy step's tensors
-            kv = torch.zeros(2, mc.num_layers, 2, bs, mc.num_kv_heads, mc.head_dim,
-                             dtype=self.model.lm_head.weight.dtype)
+            kv = torch.zeros(2, mc.num_layers, 2, bs, mc.num_kv_heads, mc.head_dim, dtype=dtype)
             batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.arange(T),
                           slot_mapping=torch.full((T,), -1), query_start_loc=torch.tensor([0, T], dtype=torch.int32),
                           seq_lens=torch.tensor([T]), block_table=torch.zeros(1, cdiv(T, bs), dtype=torch.int32),
@@ -1197,13 +1196,24 @@ class EngineConfig:
             require(sizes is None or (len(sizes) > 0 and min(sizes) >= 1), name, sizes, "None or sizes >= 1")
         require(self.cudagraph_mode in ("full", "full_decode_only"), "cudagraph_mode", self.cudagraph_mode,
                 "'full' or 'full_decode_only'")
-        self._pick_device()
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:  # not a device name at all
+            device = None
+        require(device is not None and device.type in ("cpu", "cuda"), "device", self.device,
+                "'cpu', 'cuda' or 'cuda:N'")
+        cuda = device.type == "cuda"
+        if cuda and (device.index or 0) + self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} (rank r "
+                             f"on the r-th GPU from it) but torch sees {torch.cuda.device_count()} CUDA devices; "
+                             "use device='cpu', a lower index or fewer ranks")
         if self.dtype is None:
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+            self.dtype = "bfloat16" if cuda else "float32"
         require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
                 "'float32', 'bfloat16' or 'float16'")
-        if self.triton is None:
-            self.triton = self.device.startswith("cuda")
+        self.triton = cuda if self.triton is None else self.triton
         self.tuned = tuned_variants(self.tuned) if self.fuse else frozenset()
         if tensor_parallel(self):  # steady keeps staged rows from step to step: other ranks could not follow
             self.tuned -= {"steady"}
@@ -1211,7 +1221,7 @@ class EngineConfig:
             rows, limit = getattr(self, name), kernels.LINEAR_MAX_M
             require(rows is None or 0 <= rows <= limit, name, rows, f"None or in [0, {limit}]")
         if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
-            self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
+            self.enforce_eager = not (cuda and self.fuse and self.triton)
 
     def _check_types(self):
         """A TypeError for a setting of the wrong type, before any value is looked at: each field holds the type
@@ -1224,20 +1234,6 @@ class EngineConfig:
             annotated = [t for t in typing.get_args(f.type) or (f.type,) if t is not type(None)]
             if len(annotated) == 1:  # `tuned` may be several types: tuned_variants checks it
                 check_type(f.name, getattr(self, f.name), SETTING_KINDS[annotated[0]], optional=f.default is None)
-
-    def _pick_device(self):
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:  # not a device name at all
-            device = None
-        require(device is not None and device.type in ("cpu", "cuda"), "device", self.device,
-                "'cpu', 'cuda' or 'cuda:N'")
-        if device.type == "cuda" and (device.index or 0) + self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} (rank r "
-                             f"on the r-th GPU from it) but torch sees {torch.cuda.device_count()} CUDA devices; "
-                             "use device='cpu', a lower index or fewer ranks")
 
 
 # The tuned path's variants, each a switch of EngineConfig.tuned (Part 2, below; BENCHMARKS.md: what each buys)
@@ -1415,7 +1411,8 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
     v, triton = cfg.tuned, cfg.triton
     pdl = triton and "pdl" in v and kernels.has_pdl(torch.device(cfg.device))
     ops.add_rmsnorm_linear = partial(add_rmsnorm_then_linear, ops)  # Part 1's kernels, one after the other
-    ops.decode_attention, ops.decode_context_bounds = None, no_context_bounds
+    ops.decode_attention = None
+    ops.decode_context_bounds = lambda b, hkv: ()  # a reference's tiles never depend on the contexts: no bounds
     if "gemv" in v:
         # Triton streams a one-row matmul faster than cuBLAS on every model; up to 64 rows (256 on narrow
         # matrices, where cuBLAS splits K) only on small models (BENCHMARKS.md).
@@ -1437,11 +1434,6 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
     if "moe_decode" in v:
         ops.fused_moe = partial(kernels.fused_moe_tuned, pdl=pdl) if triton else kernels.fused_moe_ref
     return ops
-
-
-def no_context_bounds(b: int, hkv: int) -> tuple:
-    """Context bounds of an attention whose tiles never depend on the contexts: none."""
-    return ()
 
 
 def add_rmsnorm_then_linear(ops, x, residual, norm_weight, eps, weight, bias=None, gated=False):
