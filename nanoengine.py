@@ -1130,21 +1130,19 @@ class ModelConfig:
                 raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported; "
                                  "nanoengine supports 'default' and 'llama3'")
             scaling = None if kind == "default" else scaling
-        heads, eos = cfg["num_attention_heads"], cfg.get("eos_token_id")
+        heads, eos, bias = cfg["num_attention_heads"], cfg.get("eos_token_id"), bool(cfg.get("attention_bias", False))
         # absent: transformers' default, which for Qwen3 is 128, not hidden_size / heads
         head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else cfg["hidden_size"] // heads)
         return cls(
-            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], head_dim=head_dim,
             num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta") or 10000.0),
-            rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta") or 10000.0), rope_scaling=scaling, qk_norm=arch.startswith("Qwen3"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch.startswith("Qwen3"), num_experts=cfg["num_experts"] if moe else 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bias, o_bias=arch != "Qwen2ForCausalLM" and bias,
+            num_experts=cfg["num_experts"] if moe else 0, num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
