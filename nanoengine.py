@@ -1409,8 +1409,7 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
     v, triton = cfg.tuned, cfg.triton
     pdl = triton and "pdl" in v and kernels.has_pdl(torch.device(cfg.device))
     ops.add_rmsnorm_linear = partial(add_rmsnorm_then_linear, ops)  # Part 1's kernels, one after the other
-    ops.decode_attention = None
-    ops.decode_context_bounds = lambda b, hkv: ()  # a reference's tiles never depend on the contexts: no bounds
+    ops.decode_attention, ops.decode_context_bounds = None, no_context_bounds
     if "gemv" in v:
         # Triton streams a one-row matmul faster than cuBLAS on every model; up to 64 rows (256 on narrow
         # matrices, where cuBLAS splits K) only on small models (BENCHMARKS.md).
@@ -1432,6 +1431,11 @@ def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> Sim
     if "moe_decode" in v:
         ops.fused_moe = partial(kernels.fused_moe_tuned, pdl=pdl) if triton else kernels.fused_moe_ref
     return ops
+
+
+def no_context_bounds(b: int, hkv: int) -> tuple:
+    """Context bounds of an attention whose tiles never depend on the contexts: none."""
+    return ()
 
 
 def add_rmsnorm_then_linear(ops, x, residual, norm_weight, eps, weight, bias=None, gated=False):
