@@ -825,7 +825,8 @@ class Engine:
         Closing the generator early (a break: a client gone) aborts the request, as vLLM does."""
         params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
                                                                   params.output_kind != "final_only" else "delta"))
-        req = self.book.requests[self.add_request(prompt, params)]  # add_request first: it checks the engine is open
+        rid = self.add_request(prompt, params)  # before the book is read: it checks the engine is open (book None)
+        req = self.book.requests[rid]
         self.streamed.add(req)
         step = self._step_async if self.cfg.async_scheduling else self._step
         try:
