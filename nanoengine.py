@@ -802,11 +802,10 @@ class Engine:
     def _activation_bytes(self) -> int:
         """The most memory a step takes beyond the weights, as vLLM measures it: one forward of a full step on a
         dummy cache. The graphs' pool holds the largest graph's activations: counted too, with the logits buffer."""
-        mc, cfg, bs = self.model.config, self.cfg, self.cfg.block_size
+        mc, cfg, bs, dtype = self.model.config, self.cfg, self.cfg.block_size, self.model.lm_head.weight.dtype
         T = min(cfg.max_num_batched_tokens, self.max_model_len)
         with torch.device(cfg.device):  # the dummy step's tensors
-            kv = torch.zeros(2, mc.num_layers, 2, bs, mc.num_kv_heads, mc.head_dim,
-                             dtype=self.model.lm_head.weight.dtype)
+            kv = torch.zeros(2, mc.num_layers, 2, bs, mc.num_kv_heads, mc.head_dim, dtype=dtype)
             batch = Batch(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.arange(T),
                           slot_mapping=torch.full((T,), -1), query_start_loc=torch.tensor([0, T], dtype=torch.int32),
                           seq_lens=torch.tensor([T]), block_table=torch.zeros(1, cdiv(T, bs), dtype=torch.int32),
@@ -826,7 +825,8 @@ class Engine:
         Closing the generator early (a break: a client gone) aborts the request, as vLLM does."""
         params = replace(params or SamplingParams(), output_kind=(params.output_kind if params and
                                                                   params.output_kind != "final_only" else "delta"))
-        req = self.book.requests[self.add_request(prompt, params)]  # add_request first: it checks the engine is open
+        rid = self.add_request(prompt, params)  # before the book is read: it checks the engine is open (book None)
+        req = self.book.requests[rid]
         self.streamed.add(req)
         step = self._step_async if self.cfg.async_scheduling else self._step
         try:
@@ -1131,21 +1131,19 @@ class ModelConfig:
                 raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported; "
                                  "nanoengine supports 'default' and 'llama3'")
             scaling = None if kind == "default" else scaling
-        heads, eos = cfg["num_attention_heads"], cfg.get("eos_token_id")
+        heads, eos, bias = cfg["num_attention_heads"], cfg.get("eos_token_id"), bool(cfg.get("attention_bias", False))
         # absent: transformers' default, which for Qwen3 is 128, not hidden_size / heads
         head_dim = cfg.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else cfg["hidden_size"] // heads)
         return cls(
-            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], head_dim=head_dim,
             num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta") or 10000.0),
-            rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta") or 10000.0), rope_scaling=scaling, qk_norm=arch.startswith("Qwen3"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch.startswith("Qwen3"), num_experts=cfg["num_experts"] if moe else 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bias, o_bias=arch != "Qwen2ForCausalLM" and bias,
+            num_experts=cfg["num_experts"] if moe else 0, num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
@@ -1197,13 +1195,24 @@ class EngineConfig:
             require(sizes is None or (len(sizes) > 0 and min(sizes) >= 1), name, sizes, "None or sizes >= 1")
         require(self.cudagraph_mode in ("full", "full_decode_only"), "cudagraph_mode", self.cudagraph_mode,
                 "'full' or 'full_decode_only'")
-        self._pick_device()
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:  # not a device name at all
+            device = None
+        require(device is not None and device.type in ("cpu", "cuda"), "device", self.device,
+                "'cpu', 'cuda' or 'cuda:N'")
+        cuda = device.type == "cuda"
+        if cuda and (device.index or 0) + self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} (rank r "
+                             f"on the r-th GPU from it) but torch sees {torch.cuda.device_count()} CUDA devices; "
+                             "use device='cpu', a lower index or fewer ranks")
         if self.dtype is None:
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+            self.dtype = "bfloat16" if cuda else "float32"
         require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
                 "'float32', 'bfloat16' or 'float16'")
-        if self.triton is None:
-            self.triton = self.device.startswith("cuda")
+        self.triton = cuda if self.triton is None else self.triton
         self.tuned = tuned_variants(self.tuned) if self.fuse else frozenset()
         if tensor_parallel(self):  # steady keeps staged rows from step to step: other ranks could not follow
             self.tuned -= {"steady"}
@@ -1211,7 +1220,7 @@ class EngineConfig:
             rows, limit = getattr(self, name), kernels.LINEAR_MAX_M
             require(rows is None or 0 <= rows <= limit, name, rows, f"None or in [0, {limit}]")
         if self.enforce_eager is None:  # graphs need CUDA and a forward that never syncs (fused Triton)
-            self.enforce_eager = not (self.device.startswith("cuda") and self.fuse and self.triton)
+            self.enforce_eager = not (cuda and self.fuse and self.triton)
 
     def _check_types(self):
         """A TypeError for a setting of the wrong type, before any value is looked at: each field holds the type
@@ -1224,20 +1233,6 @@ class EngineConfig:
             annotated = [t for t in typing.get_args(f.type) or (f.type,) if t is not type(None)]
             if len(annotated) == 1:  # `tuned` may be several types: tuned_variants checks it
                 check_type(f.name, getattr(self, f.name), SETTING_KINDS[annotated[0]], optional=f.default is None)
-
-    def _pick_device(self):
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:  # not a device name at all
-            device = None
-        require(device is not None and device.type in ("cpu", "cuda"), "device", self.device,
-                "'cpu', 'cuda' or 'cuda:N'")
-        if device.type == "cuda" and (device.index or 0) + self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"device={self.device!r} with tensor_parallel_size={self.tensor_parallel_size} (rank r "
-                             f"on the r-th GPU from it) but torch sees {torch.cuda.device_count()} CUDA devices; "
-                             "use device='cpu', a lower index or fewer ranks")
 
 
 # The tuned path's variants, each a switch of EngineConfig.tuned (Part 2, below; BENCHMARKS.md: what each buys)

@@ -749,22 +749,16 @@ class SteadyScheduler(Scheduler):
                 return None
         starts, entering = s.computed, (NO_ONE, NO_ONE)
         if s.quiet <= 0:  # someone needs more than +1: the only steps that look at requests one by one
-            entering = self._attend(s, starts)
-            if entering is None:
+            # those due (short of the last token, seen to above, only where a token starts a block) each get that
+            # block, handed to them at hand_back; if blocks are short, the general path's plan preempts
+            due = np.flatnonzero(starts >= s.attend_at)
+            if len(due) > self.blocks.num_free_blocks:
                 return None
-            s.quiet = int((s.attend_at - starts).min())
+            blocks = self.blocks.take(len(due))
+            s.entered.append((due, blocks))
+            s.attend_at[due] = np.minimum(starts[due] + self.blocks.block_size, s.last[due])
+            s.quiet, entering = int((s.attend_at - starts).min()), (due, np.array(blocks, dtype=np.int64))
         s.computed, s.awaiting = starts + 1, True
         s.countdown, s.quiet = s.countdown - 1, s.quiet - 1
         return SteadyOutput(s.requests, starts, s.num_tokens, s.samples, num_decode=len(s.requests),
                             step=self.step_id, steady=s, entering=entering)
-
-    def _attend(self, s: SteadyDecode, starts: np.ndarray) -> tuple | None:
-        """The requests due for more than +1 (short of the last token, _steady_step saw to those, only where a token
-        starts a block) each get that block: (their indices, the blocks), or None if short: the general path preempts."""
-        due = np.flatnonzero(starts >= s.attend_at)
-        if len(due) > self.blocks.num_free_blocks:
-            return None
-        blocks = self.blocks.take(len(due))
-        s.entered.append((due, blocks))  # the requests get them at hand_back
-        s.attend_at[due] = np.minimum(starts[due] + self.blocks.block_size, s.last[due])
-        return due, np.array(blocks, dtype=np.int64)
