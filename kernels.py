@@ -748,6 +748,77 @@ def _launch_options(pdl: bool) -> dict:
     return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
+# Part 1's kernels that Part 2's ops still call (an add + RMSNorm the matmul cannot take, silu_and_mul after a cuBLAS
+# gate/up, a big batch's RoPE and KV write) run in the chain too: launched plainly, each would stall it twice.
+@triton.jit
+def _add_rmsnorm_pdl_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, stride_x, dim, eps,
+                            HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                            PDL: tl.constexpr):
+    _wait_for_inputs(PDL)  # then 1.1's program as it is
+    _add_rmsnorm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, stride_x, dim, eps, HAS_RESIDUAL,
+                        BLOCK_ROWS, BLOCK_D)
+
+
+def add_rmsnorm_pdl(x, residual, weight, eps: float, pdl: bool = False):
+    """add_rmsnorm (1.1), its kernel launched behind the wait when pdl."""
+    if not pdl:
+        return add_rmsnorm(x, residual, weight, eps)
+    _check_add_rmsnorm_args(x, residual, weight)
+    x2, out = x.reshape(-1, x.shape[-1]), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    (num_rows, dim), block_d = x2.shape, triton.next_power_of_2(x2.shape[1])
+    if num_rows:
+        rows = max(1, min(NORM_TILE // block_d, num_rows // NORM_PROGRAMS))
+        block_rows = 1 << (rows.bit_length() - 1)
+        _add_rmsnorm_pdl_kernel[(triton.cdiv(num_rows, block_rows),)](
+            x2, x2 if residual is None else residual, weight, out, num_rows, x2.stride(0), dim, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+            num_warps=4 if block_rows * block_d <= 2048 else 8, **_launch_options(pdl))
+    return out, (x if residual is None else residual)
+
+
+@triton.jit
+def _silu_and_mul_pdl_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_inputs(PDL)  # then 1.2's program as it is
+    _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK)
+
+
+def silu_and_mul_pdl(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """silu_and_mul (1.2), its kernel launched behind the wait when pdl (x [N, 2I] contiguous, as cuBLAS writes it)."""
+    if not pdl:
+        return silu_and_mul(x)
+    n, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    if n:
+        block = min(triton.next_power_of_2(inter), SILU_BLOCK)
+        _silu_and_mul_pdl_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block, num_warps=4,
+                                                                 **_launch_options(pdl))
+    return out
+
+
+@triton.jit
+def _rope_write_kv_pdl_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, scratch_slot, positions_ptr,
+                              cos_sin_ptr, q_norm_ptr, k_norm_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                              stride_vh, eps, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
+                              KV_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_inputs(PDL)  # then 1.3's program as it is
+    _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, scratch_slot, positions_ptr,
+                          cos_sin_ptr, q_norm_ptr, k_norm_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                          stride_vh, eps, NUM_Q_HEADS, NUM_KV_HEADS, Q_PAD, KV_PAD, HALF, HAS_NORM)
+
+
+def rope_write_kv_pdl(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm, k_norm, eps, pdl=False):
+    """rope_write_kv (1.3), its kernel launched behind the wait when pdl (shapes as decode_attention checked them)."""
+    if not pdl:
+        return rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm, k_norm, eps)
+    (t, h, d), hkv, has_norm = q.shape, k.shape[1], q_norm is not None
+    _rope_write_kv_pdl_kernel[(t,)](
+        q, k, v, k_cache, v_cache, slot_mapping, (k_cache.shape[0] - 1) * k_cache.shape[1], positions, cos_sin,
+        q_norm if has_norm else cos_sin, k_norm if has_norm else cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
+        NUM_Q_HEADS=h, NUM_KV_HEADS=hkv, Q_PAD=triton.next_power_of_2(h), KV_PAD=triton.next_power_of_2(hkv),
+        HALF=d // 2, HAS_NORM=has_norm, num_warps=4, **_launch_options(pdl))
+
+
 @triton.jit
 def _wait_hold_next(PDL: tl.constexpr):
     """_wait_for_inputs that lets the next kernel launch only as this one's programs exit: decode attention's hold
@@ -939,7 +1010,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.mm(x2, weight.t(), out=out.view(m, n)).view(out.shape)
         y = torch.nn.functional.linear(x, weight, bias)
         if gated:
-            y = silu_and_mul(y.reshape(m, n)).view(*x.shape[:-1], n // 2)
+            y = silu_and_mul_pdl(y.reshape(m, n), pdl).view(*x.shape[:-1], n // 2)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty((*x.shape[:-1], n // 2 if gated else n), dtype=x.dtype, device=x.device)
@@ -961,7 +1032,7 @@ def add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     x2, n = x.reshape(-1, x.shape[-1]), weight.shape[0]
     blocks = linear_blocks(1, n, x.shape[-1], x.element_size(), gated) if x2.shape[0] == 1 and max_rows else None
     if blocks is None or blocks[1] < LINEAR_NORM_MIN_BLOCK_N:
-        h, residual = add_rmsnorm(x, residual, norm_weight, eps)
+        h, residual = add_rmsnorm_pdl(x, residual, norm_weight, eps, pdl)
         return linear(h, weight, bias, max_rows, narrow_rows, gated, pdl), residual
     out = torch.empty((*x.shape[:-1], n // 2 if gated else n), dtype=x.dtype, device=x.device)
     new_residual = None if residual is None else torch.empty_like(x)
@@ -1223,7 +1294,7 @@ def decode_attention(q, k, v, k_cache, v_cache, slot_mapping, positions, seq_len
     # position) before its first K/V load, once per wave: RoPE and the KV write go first, apart.
     fused = b * hkv // heads <= ATTN_PROGRAMS_PER_SM * _sm_count(q.device)
     if not fused:
-        rope_write_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm, k_norm, eps)
+        rope_write_kv_pdl(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_sin, q_norm, k_norm, eps, pdl)
     block_m, stages = max(16, heads * group_pad), 2  # fewer stages, more programs an SM: short contexts
     if heads > 1:  # key tiles of 128 columns (keys x heads)
         block_n, stages = max(16, heads, min(ATTN_PACK_BLOCK_N, 16384 // d)), 3

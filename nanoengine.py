@@ -1406,9 +1406,12 @@ from scheduler import SteadyBook, SteadyScheduler  # noqa: E402 (Part 2's, impor
 def tuned_ops(ops: SimpleNamespace, cfg: EngineConfig, mcfg: ModelConfig) -> SimpleNamespace:
     """Swap the variants named in cfg.tuned into the textbook ops, and add the ops TunedDecoderLayer calls.
     Without Triton (the CPU) each variant is its reference, which computes what the textbook ops do, so the
-    tuned forward's structure is tested. Part 1's kernels keep plain launches: a PDL chain is Part 2's."""
+    tuned forward's structure is tested."""
     v, triton = cfg.tuned, cfg.triton
     pdl = triton and "pdl" in v and kernels.has_pdl(torch.device(cfg.device))
+    if pdl:  # Part 1's kernels that the tuned forward still calls, in the chain too (kernels 2.1)
+        ops.add_rmsnorm, ops.silu_and_mul = (partial(getattr(kernels, f"{op}_pdl"), pdl=True)
+                                             for op in ("add_rmsnorm", "silu_and_mul"))
     ops.add_rmsnorm_linear = partial(add_rmsnorm_then_linear, ops)  # Part 1's kernels, one after the other
     ops.decode_attention, ops.decode_context_bounds = None, no_context_bounds
     if "gemv" in v:

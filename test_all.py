@@ -3543,17 +3543,21 @@ class CompileForH200:
             else:
                 signature[p.name] = "fp32" if isinstance(v, float) else "i32" if -2**31 <= v < 2**31 else "i64"
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        vars(kernels).update(ORIGINALS)  # a kernel that calls another (2.1's _pdl ones) compiles that one inline
         try:
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
             result.setdefault(fn.__name__, {})["ptx"] = ptx
         except Exception as e:
             result.setdefault(fn.__name__, {})["error"] = f"{type(e).__name__}: {e}"[-1500:]
+        finally:
+            vars(kernels).update(STAND_INS)
         result[fn.__name__]["constexprs"] = {k: v for k, v in constexprs.items() if isinstance(v, (bool, int, str))}
 
 
-for name in dir(kernels):
-    if name.endswith("_kernel") and isinstance(getattr(kernels, name), triton.runtime.jit.JITFunction):
-        setattr(kernels, name, CompileForH200(getattr(kernels, name)))
+ORIGINALS = {name: fn for name, fn in vars(kernels).items()
+             if name.endswith("_kernel") and isinstance(fn, triton.runtime.jit.JITFunction)}
+STAND_INS = {name: CompileForH200(fn) for name, fn in ORIGINALS.items()}
+vars(kernels).update(STAND_INS)
 z = lambda *shape, dtype=torch.bfloat16: torch.zeros(*shape, dtype=dtype)
 ints = lambda *shape: torch.zeros(*shape, dtype=torch.int64)
 
@@ -3581,6 +3585,8 @@ CASES = {
                                                        torch.tensor([0, 3, 5], dtype=torch.int32), ints(2),
                                                        ints(2, 2).int(), 0.1, 3),
     "fused_moe": lambda: kernels.fused_moe(z(4, 128), z(8, 256, 128), z(8, 128, 128), z(4, 2), ints(4, 2)),
+    "add_rmsnorm_pdl": lambda: kernels.add_rmsnorm_pdl(z(4, 256), z(4, 256), z(256), 1e-6, pdl=True),
+    "silu_and_mul_pdl": lambda: kernels.silu_and_mul_pdl(z(4, 512), pdl=True),
     "linear": lambda: kernels.linear(z(1, 1024), z(512, 1024), pdl=True),
     "linear_dot": lambda: kernels.linear(z(16, 1024), z(512, 1024), pdl=True),
     "add_rmsnorm_linear": lambda: kernels.add_rmsnorm_linear(z(1, 1024), z(1, 1024), z(1024), 1e-6, z(1024, 1024),
@@ -3614,7 +3620,7 @@ def h200_ptx():
 
 
 PART1_CASES = ["add_rmsnorm", "silu_and_mul", "rope_write_kv", "paged_attention", "fused_moe"]  # plain launches
-PTX_CASES = PART1_CASES + ["linear", "linear_dot", "add_rmsnorm_linear", "decode_attention", "decode_attention_packed",
+PTX_CASES = PART1_CASES + ["add_rmsnorm_pdl", "silu_and_mul_pdl", "linear", "linear_dot", "add_rmsnorm_linear", "decode_attention", "decode_attention_packed",
                            "decode_attention_split", "decode_attention_rope_inside",
                            "decode_attention_rope_inside_split", "prefill_attention", "prefill_attention_split",
                            "fused_moe_decode", "moe_route", "race_sample"]
@@ -3653,6 +3659,7 @@ def test_kernels_compile_for_sm90_and_wait_before_any_load(h200_ptx, case):
     if case.startswith("decode_attention"):  # the launch took the path the case names
         c = compiled["_decode_attention_kernel"]["constexprs"]
         assert (c["PACK_SHIFT"] > 0, c["SPLIT"], c["ROPE"]) == ("packed" in case, "split" in case, "rope" in case), c
+        assert ("_rope_write_kv_pdl_kernel" in compiled) == (not c["ROPE"]), list(compiled)  # RoPE apart: in the chain
     if case.startswith("prefill_attention"):
         assert compiled["_prefill_attention_kernel"]["constexprs"]["SPLIT"] == ("split" in case)
 
@@ -3743,6 +3750,37 @@ def test_kernel_gpu_pdl_chain_in_graph_matches_plain_launches(rows):
     ref, ref_residual = chain(x0.clone(), torch.zeros_like(x0), False)
     torch.cuda.synchronize()
     assert torch.equal(out, ref) and torch.equal(out_residual, ref_residual)
+
+
+@needs_cuda
+@pytest.mark.parametrize("requests,rows", [(1, None), (16, None), (40, 16)])
+def test_gpu_tuned_decode_steps_launch_every_triton_kernel_in_the_pdl_chain(requests, rows):
+    """One plain launch in a PDL chain stalls it on both sides, so every Triton kernel of a tuned decode step takes
+    PDL, Part 1's that the tuned ops still call too (2.1's _pdl launchers): one row (the add + norm in the matmul),
+    16 (add_rmsnorm, then tl.dot tiles), 40 past a 16-row limit (cuBLAS, then silu_and_mul). Same tokens as -pdl."""
+    if not kernels.has_pdl(CUDA_DEVICE):
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    prompts, jit = mixed_prompts(requests, 4096, seed=41, lengths=(5, 17, 9)), triton.runtime.jit.JITFunction
+    plain_run, launched, tokens = jit.run, [], []
+
+    def spy(self, *args, **kwargs):
+        launched.append((self.fn.__name__, kwargs.get("PDL", False)))
+        return plain_run(self, *args, **kwargs)
+
+    for tuned in (True, "-pdl"):
+        engine = nanoengine.Engine(model="tiny", tuned=tuned, enforce_eager=True, triton_linear_rows=rows,
+                                   triton_narrow_rows=rows, **GPU)
+        ids = [engine.add_request(p, greedy(8)) for p in prompts]
+        # step 1 takes every prompt; step 2, a decode step, is watched
+        watch = lambda n: setattr(jit, "run", spy if n == 1 and tuned is True else plain_run)  # noqa: E731
+        try:
+            streams = drive(engine, after_step=watch)
+        finally:
+            jit.run = plain_run
+        tokens.append([streams[i][-1].token_ids for i in ids])
+        engine.close()
+    assert launched and not [name for name, pdl in launched if not pdl], launched
+    assert tokens[0] == tokens[1]
 
 
 # -- 2.2 linear: the decode-sized matmul, with add_rmsnorm in its prologue and silu_and_mul in its epilogue
