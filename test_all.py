@@ -113,7 +113,8 @@ named here fails test_the_index_names_every_test.
         test_tuned_variants_parse_names, test_engine_config_takes_tuned_names, test_each_variant_swaps_only_its_ops
     2.1 pdl: every kernel compiles for sm_90 and waits before any load; a PDL chain in a graph is exact
         test_kernels_compile_for_sm90_and_wait_before_any_load, test_jit_functions_read_only_constexpr_globals,
-        test_kernel_every_kernel_waits_for_its_inputs, test_kernel_gpu_pdl_chain_in_graph_matches_plain_launches
+        test_kernel_every_kernel_waits_for_its_inputs, test_kernel_gpu_pdl_chain_in_graph_matches_plain_launches,
+        test_gpu_tuned_decode_steps_launch_every_triton_kernel_in_the_pdl_chain
     2.2 linear, gated, with add_rmsnorm inside; its rows, narrow rows and tiles
         test_kernel_linear_matches_ref, test_kernel_linear_long_rows_take_blocks_of_32, test_kernel_linear_gated,
         test_kernel_linear_writes_into_out, test_kernel_add_rmsnorm_linear_matches_ref,
