@@ -2996,22 +2996,23 @@ def test_a_dropped_engine_is_freed_by_refcount_alone():
 # process makes once (cuBLAS's workspace), which the KV cache's sizing must not count as a step's.
 DEFAULT_ENGINES_SCRIPT = """
 import gc, weakref, nanoengine
-prompts, params = [[5, 17, 300, 42], list(range(100, 140)), [9] * 7], nanoengine.SamplingParams(temperature=0, max_tokens=8)
+prompts = [[5, 17, 300, 42], list(range(100, 140)), [9] * 7]
+params = nanoengine.SamplingParams(temperature=0, max_tokens=8)
 tokens = lambda llm: [o.token_ids for o in llm.generate(prompts, params)]
 gc.disable()  # the first must go by refcount alone
-llm = nanoengine.LLM("tiny", device="{device}")
+llm = nanoengine.LLM("tiny", device="cuda")
 blocks, want = llm.engine.book.blocks.num_blocks, tokens(llm)
 kv_cache = weakref.ref(llm.engine.runner.kv_cache)
 del llm
 assert kv_cache() is None, "the dropped engine's KV cache outlived it"
 gc.enable()
-with nanoengine.LLM("tiny", device="{device}") as llm:
+with nanoengine.LLM("tiny", device="cuda") as llm:
     got = llm.engine.book.blocks.num_blocks, tokens(llm)
-assert got == (blocks, want), f"closed by `with`: {{got[0]}} blocks after {{blocks}}, same tokens: {{got[1] == want}}"
-llm = nanoengine.LLM("tiny", device="{device}")
+assert got == (blocks, want), f"closed by `with`: {got[0]} blocks after {blocks}, same tokens: {got[1] == want}"
+llm = nanoengine.LLM("tiny", device="cuda")
 got = llm.engine.book.blocks.num_blocks, tokens(llm)
 llm.close()
-assert got == (blocks, want), f"closed by close(): {{got[0]}} blocks after {{blocks}}, same tokens: {{got[1] == want}}"
+assert got == (blocks, want), f"closed by close(): {got[0]} blocks after {blocks}, same tokens: {got[1] == want}"
 print("ok")
 """
 
@@ -3020,8 +3021,8 @@ print("ok")
 def test_gpu_default_engines_one_after_another_get_the_same_kv_cache():
     """Default settings (90% of the GPU, graphs), in a fresh process: one dropped with `del`, one closed by
     `with`, one by close(); each gets as many KV blocks as the first and generates the same tokens."""
-    script = DEFAULT_ENGINES_SCRIPT.format(device="cuda")
-    r = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", DEFAULT_ENGINES_SCRIPT], cwd=HERE, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0 and r.stdout.split() == ["ok"], r.stderr[-3000:]
 
 
