@@ -1,8 +1,7 @@
 """CUDA graphs: a step's forward recorded once per bucket and replayed, with padding that cannot do harm.
 
-A decode step of a small model is hundreds of tiny kernels; launching them one by one from Python costs
-more than running them. A CUDA graph records the launches once and replays them with one call. A graph
-replays fixed addresses and fixed grids, so:
+A decode step of a small model is hundreds of tiny kernels: launching them from Python costs more than running
+them. A CUDA graph records the launches once and replays them in one call, at fixed addresses and grids, so:
 - every input lives in a static buffer sized for the largest bucket, and a step copies its values in;
 - a step replays the smallest bucket that holds it: a decode step by its requests, else by its tokens;
 - the padding fills the bucket with tokens that cannot touch a real request: token 0 at position 0, slot
@@ -10,11 +9,10 @@ replays fixed addresses and fixed grids, so:
   requests of seq_len 0 (attention reads no KV for them and returns zeros);
 - the Batch a graph was captured with holds the bucket's sizes (requests, max_query_len, max_seq_len),
   never a step's: the kernels' grids and tiles are fixed at capture, and the real lengths are only data;
-- outputs go to static buffers too (the decode graphs' logits, the prompt graphs' hidden states), so the
-  graphs share one memory pool: it holds the largest graph's activations, not every graph's outputs.
+- outputs go to static buffers too, so the graphs share one memory pool the size of the largest graph's.
 
-These are vLLM's "full" CUDA graphs (cudagraph_mode FULL): the whole forward, attention included, which
-works because paged attention reads every length from device buffers and sizes its grid from the bucket.
+These are vLLM's "full" CUDA graphs (cudagraph_mode FULL): the whole forward, attention included, as paged
+attention reads every length from device buffers and sizes its grid from the bucket.
 On the CPU there are no graphs: the same static-buffer path runs eagerly, so CI tests its logic.
 Imports: scheduler's Batch (the type the model reads)."""
 import gc
@@ -84,8 +82,7 @@ class GraphRunner:
                      max_seq_len=self.max_seq_len)
 
     def _prompt_requests(self, t: int) -> int:
-        """Requests of a prompt graph of t tokens: every request has a token, so at most t, and one more
-        for the padding tokens' request."""
+        """Requests of a prompt graph of t tokens: at most t (each has a token), and one for the padding's."""
         return min(self.seq_lens.shape[0] - 1, t) + 1
 
     def forward(self, key: tuple) -> None:
@@ -96,6 +93,12 @@ class GraphRunner:
         else:
             self.hidden[:key[1]].copy_(self.model(self.prompt_batch(key), self.kv_cache))
 
+    def warm_up(self, key: tuple) -> None:
+        """Before capture, the forward for real (Triton compiles, cuBLAS picks) on the buffers as made: all padding."""
+        if key[0] == "prompt":  # request 0 (seq_len 0) owns every token: attention writes only requests' rows
+            self.query_start_loc[1:].fill_(key[1])
+        self.forward(key)
+
     def keys(self) -> list[tuple]:
         """Every graph, (kind, size), largest first: the first sets the pool's size, and the rest fit in it."""
         return [("prompt", t) for t in reversed(self.token_buckets)] + [("decode", b) for b in reversed(self.buckets)]
@@ -105,11 +108,10 @@ class GraphRunner:
         gc.collect()  # so that no dropped object is freed mid-measurement
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache on entry: do it before measuring
-        # Reserved, not allocated: the pool is reserved by the caching allocator, and frees of unrelated
-        # tensors during capture do not lower it.
+        # Reserved, not allocated: the caching allocator reserves the pool, and other tensors' frees never lower it.
         reserved, t0, pool = torch.cuda.memory_reserved(), time.perf_counter(), None
         for key in self.keys():
-            self.forward(key)  # warm up: compile the Triton kernels, let cuBLAS pick its algorithms
+            self.warm_up(key)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             try:
@@ -125,8 +127,7 @@ class GraphRunner:
 
     # -- a step -------------------------------------------------------------------------------------------
     def key_for(self, batch: Batch) -> tuple | None:
-        """The graph a step replays, or None (it runs eagerly): a decode step by its requests, else by its tokens,
-        each in the smallest bucket that holds it."""
+        """The graph a step replays (None: eager): the smallest bucket that holds its requests (decode) or tokens."""
         tokens, reqs = batch.input_ids.shape[0], batch.seq_lens.shape[0]
         if batch.max_query_len == 1 and tokens == reqs and reqs <= self.buckets[-1]:
             return "decode", next(b for b in self.buckets if b >= reqs)
@@ -135,8 +136,7 @@ class GraphRunner:
         return None
 
     def run(self, batch: Batch) -> torch.Tensor | None:
-        """Copy the step in, pad to its bucket, replay. Returns the logits of the sampled tokens, or None if
-        no graph holds the step."""
+        """Copy the step in, pad to its bucket, replay: the sampled tokens' logits, or None (no graph holds it)."""
         key = self.key_for(batch)
         if key is None:
             return None

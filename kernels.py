@@ -1453,6 +1453,7 @@ def _moe_route_kernel(
     for j in tl.static_range(TOP_K):  # pick the best, then knock it out
         best = tl.max(p, axis=0)
         idx = tl.min(tl.where(p == best, experts, EXPERTS_PAD), axis=0)  # the lowest id on a tie
+        idx = tl.minimum(idx, NUM_EXPERTS - 1)  # NaN logits equal no lane: bad tokens, not an out-of-range read
         top_w = tl.where(ks == j, best, top_w)
         top_ids = tl.where(ks == j, idx.to(tl.int64), top_ids)
         p = tl.where(experts == idx, -1.0, p)

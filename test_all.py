@@ -1858,6 +1858,47 @@ def test_padding_tokens_are_harmless():
     _finish(eager, eager_out, eager_logits)
 
 
+def test_capture_warm_up_steps_give_every_token_a_request():
+    """Capture runs each graph's forward once for real first (warm_up), on the static buffers as made: a step of
+    padding only, every token owned by a request of seq_len 0, as attention asks. A token that none owned kept
+    what attention's output memory held: on a card, NaN that the tuned MoE router made into an expert id past
+    the last, an illegal address that took the process down."""
+    engine = Engine(model="tiny-moe", tuned=True, enforce_eager=False, graph_buckets=(1, 4),
+                    graph_token_buckets=(16, 64), max_num_seqs=4, num_blocks=16)
+    g, seen = engine.runner.graphs, []
+    assert not g.capture_graphs, "on the CPU the buffers are as made: no capture warmed them up"
+    g.model.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.inference_mode():
+        for key in g.keys():
+            g.warm_up(key)
+            batch = seen[-1]
+            qsl, tokens = batch.query_start_loc.tolist(), batch.input_ids.shape[0]
+            assert tokens == key[1] and qsl[0] == 0 and qsl[-1] == tokens, (key, qsl)
+            assert all(a <= b for a, b in zip(qsl, qsl[1:])), (key, qsl)
+            assert not batch.seq_lens.any() and (batch.slot_mapping == -1).all() and not batch.positions.any(), key
+    assert len(seen) == len(g.keys()) == 2 + 2 * len(g.context_bounds(1)), "every graph warmed up once"
+
+
+@needs_cuda
+def test_gpu_capture_warm_ups_read_no_unwritten_memory(monkeypatch):
+    """A real capture with every torch.empty full of NaN (what freed memory may hold): the tuned MoE forward's
+    warm-ups leave finite hidden states, and the graphed engine's tokens are the eager one's."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    prompts = mixed_prompts(3, 4096, seed=61, lengths=(5, 20, 9))
+    kw = dict(model="tiny-moe", tuned=True, dtype="float32", graph_token_buckets=(16, 64), **GPU)
+    want = tokens_of(nanoengine.LLM(enforce_eager=True, **kw).generate(prompts, greedy(4)))
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", nan_empty)
+        llm = nanoengine.LLM(enforce_eager=False, **kw)
+    g = llm.engine.runner.graphs
+    assert g.capture_graphs and torch.isfinite(g.hidden[:16]).all(), "the 16-token warm-up, the last prompt one"
+    assert tokens_of(llm.generate(prompts, greedy(4))) == want
+
+
 def test_scratch_block_never_handed_out_under_pressure(monkeypatch):
     taken, take = [], scheduler.BlockManager.take
 
@@ -4475,6 +4516,9 @@ def test_kernel_moe_route(t, num_experts, top_k, renormalize):
     torch.testing.assert_close(weights, ref_w, **F32_TOL)
     with pytest.raises(ValueError, match="top_k=9"):
         kernels.moe_route(logits[:, :8].contiguous(), 9, renormalize)
+    logits[0] = float("nan")  # a NaN row picks no expert well, but an expert (fused_moe indexes the weights by it)
+    nan_ids = kernels.moe_route(logits, top_k, renormalize)[1][0]
+    assert ((nan_ids >= 0) & (nan_ids < num_experts)).all(), nan_ids
 
 
 @needs_cuda
