@@ -56,6 +56,8 @@ named here fails test_the_index_names_every_test.
         test_gpu_graphed_prompt_steps_equal_eager
     padding rows and padding tokens touch no real KV .... test_padding_rows_cannot_touch_real_kv,
         test_padding_tokens_are_harmless, test_scratch_block_never_handed_out_under_pressure
+    capture's warm-up steps give every token a request .. test_capture_warm_up_steps_give_every_token_a_request,
+        test_gpu_capture_warm_ups_read_no_unwritten_memory
     capture refuses a forward that reads the host; outputs never written in place; replays allocate nothing
         test_graphs_refuse_a_forward_that_reads_the_host, test_steps_outside_inference_mode_never_write_graph_outputs,
         test_gpu_replays_allocate_nothing
