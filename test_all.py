@@ -1690,8 +1690,8 @@ def test_graph_buckets_are_decided_once():
     assert graphs.default_buckets(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert graphs.default_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert graphs.default_buckets(256)[-1] == 256 and len(graphs.default_buckets(256)) == 35
-    # steps with prompt tokens, by tokens: powers of two to 256, then every 256, at most 2048
-    assert graphs.default_token_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    # steps with prompt tokens, by tokens: powers of two to 256, then every 128, at most 2048
+    assert graphs.default_token_buckets(2048) == [16, 32, 64, 128, *range(256, 2049, 128)]
     assert graphs.default_token_buckets(100) == [16, 32, 64, 100]
     assert graphs.default_token_buckets(16384) == graphs.default_token_buckets(2048)
     engine = Engine(model="tiny", enforce_eager=False, max_num_seqs=20, max_num_batched_tokens=100)
