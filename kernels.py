@@ -695,7 +695,7 @@ def race_sample_ref(logits, temperature, seeds, counters, greedy: bool = False) 
 # Part 2: speed variants
 # ==========================================================================================================
 # The tuned path (EngineConfig(tuned=...), nanoengine.tuned_ops) swaps these in; BENCHMARKS.md shows what each buys.
-# Tuning constants: the best of an H200 sweep, or the edge where a variant stops paying (PREFILL_*: first picks).
+# Tuning constants: the best of an H200 sweep (PREFILL_*: an H100's), or the edge where a variant stops paying.
 LINEAR_MAX_M = 256  # linear takes at most this many rows; more go to cuBLAS (F.linear)
 LINEAR_NARROW_N = 4096  # ... a weight of at most this many rows ("narrow": cuBLAS splits K there) may take more
 LINEAR_TILE_BYTES = 16384  # weight bytes a program loads per K step: 2 programs an SM keep 4.3 TB/s in flight
@@ -718,10 +718,10 @@ PREFILL_BLOCK_N = 64  # ... keys a tile: K and V tiles of 16 KB each at D = 128 
 PREFILL_WARPS = 8  # ... warps a program (4 below 64 rows)
 PREFILL_STAGES = 5  # ... pipeline depth: the block-table gather takes a stage, K and V the next two
 PREFILL_PROGRAMS_PER_SM = 1  # ... programs an SM (132 KB of shared memory each), taking units until none is left
-PREFILL_SPLIT_UNITS_PER_SM = 4  # ... split long rows while a batch's query tiles make fewer units than this an SM
-PREFILL_MAX_SPLITS = 8  # ... into this many at most (each keeps a float32 partial to merge)
+PREFILL_SPLIT_UNITS_PER_SM = 2  # ... split rows, where tiles leave half the programs idle, to this many units an SM
+PREFILL_MAX_SPLITS = 4  # ... into this many at most (each keeps a float32 partial to merge)
 PREFILL_MIN_SPLIT_TILES = 2  # ... key tiles a split covers at least
-PREFILL_MIN_TOKENS = 4096  # ... the tuned path's steps of fewer tokens keep paged_attention (BENCHMARKS.md)
+PREFILL_MIN_TOKENS = 0  # ... the tuned path's steps of fewer tokens keep paged_attention (BENCHMARKS.md)
 PREFILL_MAX_SEQS = 512  # ... requests a step, scanned as one vector by every program; more: paged_attention
 
 
@@ -1603,6 +1603,59 @@ def _splits_of(seq_len, num_splits, min_split_tiles, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.minimum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), min_split_tiles), num_splits), 1)
 
 
+@triton.jit
+def _attend_unit(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr, ticket_ptr, block_row, q_start,
+                 q_len, seq_len, q_tile, split, splits, per_split, kv_head, rows_per_split, stride_qt, stride_qh,
+                 stride_cache_block, stride_cache_tok, stride_cache_head, qk_scale, NUM_KV_HEADS: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One unit: query tile q_tile (BLOCK_Q tokens x the group's heads, BLOCK_M rows) of one request, over split
+    `split` of its keys (per_split key tiles each). Writes out, or its partial; the tile's last split merges."""
+    # Token j of the chunk sits at position seq_len - q_len + j. Every row sees the keys up to the tile's first
+    # position (no mask), the diagonal's tiles up to kv_end (masked); a padding request (seq_len 0) sees none.
+    first_pos = seq_len - q_len + q_tile * BLOCK_Q
+    kv_end = tl.maximum(first_pos + tl.minimum(q_len - q_tile * BLOCK_Q, BLOCK_Q), 0)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    full_tiles = tl.maximum(first_pos + 1, 0) // BLOCK_N
+    splits_used = tl.maximum(tl.cdiv(num_tiles, per_split), 1)  # a tile near the prompt's start needs fewer
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    if split < splits_used:
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] each row's token among the request's new ones
+        head = kv_head * GROUP + rows % GROUP_PAD
+        row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+        token = (q_start + q_idx).to(tl.int64)
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # running max: finite, so exp2(m - m_new) is never NaN
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        q_pos = first_pos + rows // GROUP_PAD
+        k_head, v_head = k_cache_ptr + kv_head * stride_cache_head, v_cache_ptr + kv_head * stride_cache_head
+        m, l, acc = _attend_tiles(q, m, l, acc, q_pos, tile_lo, tl.minimum(tile_hi, full_tiles), kv_end, block_row,
+                                  k_head, v_head, stride_cache_block, stride_cache_tok, qk_scale, HEAD_DIM,
+                                  BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+        m, l, acc = _attend_tiles(q, m, l, acc, q_pos, tl.maximum(tile_lo, full_tiles), tile_hi, kv_end, block_row,
+                                  k_head, v_head, stride_cache_block, stride_cache_tok, qk_scale, HEAD_DIM,
+                                  BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+        row = token * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M] (token, head) row of out
+        done = splits_used == 1
+        if SPLIT:
+            if splits_used > 1:  # publish this split's partial; the tile's last split to finish merges them
+                _store_partial(m, l, acc, split, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
+                done = _last_to_finish(ticket_ptr, splits_used)
+                if done:
+                    m, l, acc = _merge_splits(0, splits_used, 1, row, row_ok, rows_per_split, part_out_ptr,
+                                              part_ml_ptr, BLOCK_M, HEAD_DIM)
+        if done:
+            out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that saw no key stays 0
+            tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_split_tiles", "rows_per_split", "stride_bt"])
 def _prefill_attention_kernel(
     q_ptr,  # [T, H, D] strided view: this step's queries (prompt chunks and decodes alike)
@@ -1627,6 +1680,7 @@ def _prefill_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     BLOCK_Q: tl.constexpr,  # query tokens a unit
     BLOCK_M: tl.constexpr,  # query rows a unit: BLOCK_Q tokens x GROUP_PAD heads (>= 16 for tl.dot)
+    BLOCK_MD: tl.constexpr,  # query rows a decode's unit: one token x GROUP_PAD heads (>= 16)
     BLOCK_N: tl.constexpr,  # keys a tile
     BLOCK_B: tl.constexpr,  # requests scanned as one vector (PREFILL_MAX_SEQS)
     SPLIT: tl.constexpr,  # num_splits > 1
@@ -1642,66 +1696,41 @@ def _prefill_attention_kernel(
               - tl.load(query_start_loc_ptr + reqs, mask=in_batch, other=0))
     req_splits = _splits_of(tl.load(seq_lens_ptr + reqs, mask=in_batch, other=0).to(tl.int32), num_splits,
                             min_split_tiles, BLOCK_N) if SPLIT else 1
-    ends = tl.cumsum(tl.cdiv(q_lens, BLOCK_Q) * req_splits, axis=0)  # [BLOCK_B] one past each request's last item
-    num_units = tl.max(ends, axis=0) * NUM_KV_HEADS
+    # The prompts' items first (their longest rows lead), then the decodes' (one token: a tile of BLOCK_MD rows,
+    # not BLOCK_M rows of which all but GROUP are padding).
+    decode = q_lens == 1
+    ends = tl.cumsum(tl.where(decode, 0, tl.cdiv(q_lens, BLOCK_Q)) * req_splits, axis=0)  # one past each's last
+    prompt_items = tl.max(ends, axis=0)
+    decode_ends = prompt_items + tl.cumsum(tl.where(decode, req_splits, 0), axis=0)
+    num_units = tl.max(decode_ends, axis=0) * NUM_KV_HEADS
     unit = tl.atomic_add(tickets_ptr, 1, sem="relaxed")
     while unit < num_units:
         next_unit = tl.atomic_add(tickets_ptr, 1, sem="relaxed")  # fetched now: its round trip hides behind this unit
         item, kv_head = unit // NUM_KV_HEADS, unit % NUM_KV_HEADS
-        before = ends <= item  # the requests wholly before this item
+        is_decode = item >= prompt_items
+        first, bounds = tl.where(is_decode, prompt_items, 0), tl.where(is_decode, decode_ends, ends)
+        before = bounds <= item  # the requests wholly before this item
         req = tl.sum(before.to(tl.int32), axis=0)
-        local = item - tl.max(tl.where(before, ends, 0), axis=0)  # the item among its request's
+        local = item - tl.max(tl.where(before, bounds, first), axis=0)  # the item among its request's
         q_start = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
         splits = _splits_of(seq_len, num_splits, min_split_tiles, BLOCK_N) if SPLIT else 1
-        q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - local // splits  # the last tile first: its rows see the most keys
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), splits), 1)  # a request's splits: as many tiles
         split = local % splits
-        # Token j of the chunk sits at position seq_len - q_len + j. Every row sees the keys up to the tile's first
-        # position (no mask), the diagonal's tiles up to kv_end (masked); a padding request (seq_len 0) sees none.
-        first_pos = seq_len - q_len + q_tile * BLOCK_Q
-        kv_end = tl.maximum(first_pos + tl.minimum(q_len - q_tile * BLOCK_Q, BLOCK_Q), 0)
-        num_tiles = tl.cdiv(kv_end, BLOCK_N)
-        full_tiles = tl.maximum(first_pos + 1, 0) // BLOCK_N
-        # A request's splits all cover as many key tiles: a tile near the prompt's start uses fewer of them.
-        per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), splits), 1)
-        splits_used = tl.maximum(tl.cdiv(num_tiles, per_split), 1)
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-        if split < splits_used:
-            rows = tl.arange(0, BLOCK_M)
-            q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # [BLOCK_M] each row's token among the request's new ones
-            head = kv_head * GROUP + rows % GROUP_PAD
-            row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
-            token = (q_start + q_idx).to(tl.int64)
-            dims = tl.arange(0, HEAD_DIM)
-            q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                        mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-            m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # running max: finite, so exp2(m - m_new) is never NaN
-            l = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            block_row = block_table_ptr + req.to(tl.int64) * stride_bt
-            q_pos = first_pos + rows // GROUP_PAD
-            k_head, v_head = k_cache_ptr + kv_head * stride_cache_head, v_cache_ptr + kv_head * stride_cache_head
-            m, l, acc = _attend_tiles(q, m, l, acc, q_pos, tile_lo, tl.minimum(tile_hi, full_tiles), kv_end, block_row,
-                                      k_head, v_head, stride_cache_block, stride_cache_tok, qk_scale, HEAD_DIM,
-                                      BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-            m, l, acc = _attend_tiles(q, m, l, acc, q_pos, tl.maximum(tile_lo, full_tiles), tile_hi, kv_end, block_row,
-                                      k_head, v_head, stride_cache_block, stride_cache_tok, qk_scale, HEAD_DIM,
-                                      BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
-            row = token * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M] (token, head) row of out
-            done = splits_used == 1
-            if SPLIT:
-                if splits_used > 1:  # publish this split's partial; the tile's last split to finish merges them
-                    _store_partial(m, l, acc, split, row, row_ok, rows_per_split, part_out_ptr, part_ml_ptr, HEAD_DIM)
-                    done = _last_to_finish(tickets_ptr + 2 + (item - split) * NUM_KV_HEADS + kv_head, splits_used)
-                    if done:
-                        m, l, acc = _merge_splits(0, splits_used, 1, row, row_ok, rows_per_split, part_out_ptr,
-                                                  part_ml_ptr, BLOCK_M, HEAD_DIM)
-            if done:
-                out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that saw no key stays 0
-                tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                         mask=row_ok[:, None])
+        ticket = tickets_ptr + 2 + (item - split) * NUM_KV_HEADS + kv_head
+        block_row = block_table_ptr + req.to(tl.int64) * stride_bt
+        if is_decode:
+            _attend_unit(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr, ticket, block_row,
+                         q_start, q_len, seq_len, 0, split, splits, per_split, kv_head, rows_per_split, stride_qt,
+                         stride_qh, stride_cache_block, stride_cache_tok, stride_cache_head, qk_scale, NUM_KV_HEADS,
+                         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, 1, BLOCK_MD, BLOCK_N, SPLIT, DOT_PRECISION)
+        else:  # the last query tile first: its rows see the most keys
+            _attend_unit(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr, ticket, block_row,
+                         q_start, q_len, seq_len, tl.cdiv(q_len, BLOCK_Q) - 1 - local // splits, split, splits,
+                         per_split, kv_head, rows_per_split, stride_qt, stride_qh, stride_cache_block,
+                         stride_cache_tok, stride_cache_head, qk_scale, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM,
+                         BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N, SPLIT, DOT_PRECISION)
         unit = next_unit
     if _last_to_finish(tickets_ptr + 1, tl.num_programs(0)):
         tl.atomic_xchg(tickets_ptr, 0)  # every program has taken its last unit: the next launch counts from 0
@@ -1724,19 +1753,22 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group_pad = triton.next_power_of_2(h // hkv)
     # A decode batch has one token a request; else full tiles, so a load run compiles no new tiles mid-run.
     block_q = 1 if max_query_len == 1 else max(1, PREFILL_BLOCK_M // group_pad)
-    block_m, sms = max(16, block_q * group_pad), _sm_count(q.device)
-    # Split while T tokens, in as few query tiles as they can make, would give the SMs few units to balance.
-    splits = max(1, min(PREFILL_MAX_SPLITS, PREFILL_SPLIT_UNITS_PER_SM * sms // (triton.cdiv(t, block_q) * hkv)))
+    block_m, programs = max(16, block_q * group_pad), PREFILL_PROGRAMS_PER_SM * _sm_count(q.device)
+    # A split costs its float32 partial and a merge, which only idle programs repay: split only where T tokens, in
+    # as few query tiles as they can make, leave half the programs without a unit.
+    units = triton.cdiv(t, block_q) * hkv
+    splits = 1 if 2 * units > programs else \
+        max(1, min(PREFILL_MAX_SPLITS, PREFILL_SPLIT_UNITS_PER_SM * programs // units))
     if 2 + (t // block_q + b) * splits * hkv > MAX_TICKETS:  # a bound on the split tiles' tickets
         splits = 1
     part_out, part_ml = (torch.empty((splits, t, h, n), dtype=torch.float32, device=q.device) for n in (d, 2)) \
         if splits > 1 else (out, out)  # out: never read unless split
-    _prefill_attention_kernel[(min(PREFILL_PROGRAMS_PER_SM * sms, (t // block_q + b) * splits * hkv),)](
+    _prefill_attention_kernel[(min(programs, (t // block_q + b) * splits * hkv),)](
         q, k_cache, v_cache, out, part_out, part_ml, _tickets(q.device), query_start_loc, seq_lens, block_table, b,
         splits, max(1, PREFILL_MIN_SPLIT_TILES), t * h, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), block_table.stride(0), scale * LOG2E, NUM_KV_HEADS=hkv,
         GROUP=h // hkv, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=PREFILL_BLOCK_N, BLOCK_B=PREFILL_MAX_SEQS, SPLIT=splits > 1,
+        BLOCK_MD=max(16, group_pad), BLOCK_N=PREFILL_BLOCK_N, BLOCK_B=PREFILL_MAX_SEQS, SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=PREFILL_WARPS if block_m >= 64 else 4, num_stages=PREFILL_STAGES, **_launch_options(pdl))
     return out

@@ -3622,8 +3622,8 @@ def decode_attention(b, hkv, **kw):  # the CPU counts as 1 SM: past 4 programs, 
                              sl, sl - 1, sl, ints(b, 2).int(), torch.zeros(64, 64), 0.1, z(64), z(64), pdl=True, **kw)
 
 
-def prefill_attention(units_per_sm):  # the CPU counts as 1 SM: many units an SM split the 2 query tiles
-    kernels.PREFILL_SPLIT_UNITS_PER_SM = units_per_sm
+def prefill_attention(programs_per_sm):  # the CPU counts as 1 SM: many programs an SM split the 2 query tiles
+    kernels.PREFILL_PROGRAMS_PER_SM = programs_per_sm
     qsl = torch.tensor([0, 64, 70], dtype=torch.int32)
     kernels.prefill_attention(z(70, 4, 64), z(9, 16, 2, 64), z(9, 16, 2, 64), qsl, ints(2), ints(2, 4).int(), 0.1, 64,
                               pdl=True)
@@ -4601,7 +4601,8 @@ def _check_prefill_attention(monkeypatch, q_lens, seq_lens, h=4, hkv=2, d=16, pa
     """prefill_attention against paged_attention_ref, float32 on NaN-guarded caches (_attention_case), kernels'
     torch.empty poisoned: an output left unwritten, or a partial read before it was written, shows as NaN. Tiles
     of 16 query rows and 16 keys, so that short rows cross several; `programs` (the interpreter counts one SM),
-    and splits up to split_units / (the fewest query tiles x Hkv). Every ticket must be back at 0."""
+    and, where the fewest query tiles x Hkv are at most half of them, splits up to split_units x programs / those.
+    Every ticket must be back at 0."""
     monkeypatch.setattr(kernels, "PREFILL_BLOCK_M", 16)
     monkeypatch.setattr(kernels, "PREFILL_BLOCK_N", 16)
     monkeypatch.setattr(kernels, "PREFILL_PROGRAMS_PER_SM", programs)
@@ -4654,14 +4655,17 @@ def test_kernel_prefill_attention_every_gqa_ratio_of_the_presets(monkeypatch, h,
 
 
 def test_kernel_prefill_attention_splits_long_rows_and_merges_them(monkeypatch):
-    """Asked for 64 units an SM, the few query tiles split 8 ways, one 16-key tile a split at least: the prompt's
-    last tiles and the long decode use 8 splits, its first tiles fewer, the short prompt none. The last of a
-    tile's splits to finish merges; calls in a row, each with new data (a stale partial would show)."""
+    """Asked for 64 units an SM, the few query tiles (8 units: 4 tiles x 2 kv heads, on 16 programs) split 8 ways,
+    one 16-key tile a split at least: the prompt's last tiles and the long decode use 8 splits, its first tiles
+    fewer, the short prompt none. The last of a tile's splits to finish merges; calls in a row, each with new data
+    (a stale partial would show). On 15 programs the 8 units leave fewer than half idle: no split."""
     launches = spy(monkeypatch, "_prefill_attention_kernel").launches
+    monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", 8)
     for seed in (85, 86, 87):
-        _check_prefill_attention(monkeypatch, [24, 1, 5], [224, 300, 5], programs=3, split_units=64, min_split_tiles=1,
+        _check_prefill_attention(monkeypatch, [24, 1, 5], [224, 300, 5], programs=16, split_units=64, min_split_tiles=1,
                                  seed=seed)
-    assert [x.SPLIT for x in launches] == [True] * 3
+    _check_prefill_attention(monkeypatch, [24, 1, 5], [224, 300, 5], programs=15, split_units=64, min_split_tiles=1)
+    assert [x.SPLIT for x in launches] == [True] * 3 + [False]
 
 
 def test_kernel_prefill_attention_grid_depends_on_sizes_only(monkeypatch):
@@ -4670,7 +4674,7 @@ def test_kernel_prefill_attention_grid_depends_on_sizes_only(monkeypatch):
     sizes, cut differently, launch the same grid and tiles, and each is right."""
     launches = spy(monkeypatch, "_prefill_attention_kernel").launches
     for q_lens, seq_lens in (([9, 1, 1, 5, 0, 0], [30, 12, 70, 0, 0, 0]), ([1, 14, 1, 0, 0, 0], [3, 14, 40, 0, 0, 0])):
-        _check_prefill_attention(monkeypatch, q_lens, seq_lens, max_blocks=64, programs=4, split_units=16)
+        _check_prefill_attention(monkeypatch, q_lens, seq_lens, max_blocks=64, programs=8, split_units=16)
     (a, b) = launches
     assert a.grid == b.grid and vars(a) == vars(b) and a.SPLIT
 
