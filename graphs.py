@@ -29,9 +29,8 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 def default_token_buckets(max_num_batched_tokens: int, most: int = 2048) -> list[int]:
-    """Prompt-step buckets by tokens: powers of two to 256, then every 128 (a 1k-token prompt joining a
-    few decodes pads by under an eighth), up to `most`: a bigger step is compute-bound, and its launches are
-    noise."""
+    """Prompt-step buckets by tokens: powers of two to 256, then every 128 (a 1k prompt and a few decodes pad
+    under an eighth), up to `most`: a bigger step is compute-bound, and its launches are noise."""
     top = min(max_num_batched_tokens, most)
     return sorted({min(t, top) for t in [16, 32, 64, 128, *range(256, top + 128, 128)]})
 

@@ -17,7 +17,7 @@ Map (Part 1 is the chapter; Part 2 the speed variants the tuned path swaps in):
 | 2.4 fused_moe_decode | fused_moe for a few tokens as two GEMVs                           | MoE (tuned_ops)           |
 | 2.5 moe_route        | softmax, top-k, renormalise                                       | MoE (tuned_ops)           |
 | 2.6 race_sample      | sampling in one pass over the logits                              | sample (tuned_ops)        |
-| 2.7 prefill_attention| paged_attention at FlashAttention-2 speed for prompt steps        | Attention (tuned_ops)     |
+| 2.7 prefill_attention| paged_attention for prompt steps, in balanced units of work      | Attention (tuned_ops)     |
 
 Every kernel is three pieces with the same arguments: `_name_kernel` (the Triton program), `name()` (the
 launcher: checks inputs, picks block sizes from host-side sizes only, launches) and `name_ref()` (plain
@@ -1559,12 +1559,14 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     return tokens
 
 
-# -- 2.7 prefill_attention: paged_attention at FlashAttention-2 speed, for prompt steps (needs 1.4, 2.1, 2.3) --
+# -- 2.7 prefill_attention: paged_attention for prompt steps, in balanced units of work (needs 1.4, 2.1, 2.3) --
 # The same arguments and result as 1.4, for any step (prompt chunks and decodes mixed), without what slows 1.4:
 # - a mask on every key tile: here the tiles wholly below a query tile's diagonal take an unmasked loop, the one
 #   or two it cuts a masked one, and the tiles above it are never loaded;
-# - a long prompt's last query tile walking every key alone: here its keys split over up to num_splits units, merged
-#   by the last to finish in the same launch, as in 2.3 (not by a second kernel: a launch and a wait a layer);
+# - a long row walking every key alone while SMs idle: where a step's query tiles leave half the programs without
+#   one (a short prompt, a chunk on a long prefix), its keys split over up to num_splits units, merged by the last
+#   to finish in the same launch, as in 2.3 (elsewhere the partials' stores and merges cost more than they balance);
+# - a decode beside a prompt padded to the prompt's query tile: here a decode's unit is its group's rows alone;
 # - a program for each request row, where a prompt graph has max_num_seqs + 1 rows, mostly padding: here a few
 #   programs an SM take units (query tile x split x kv head) from a shared counter until none is left, so a
 #   padding row costs one element of a vector, and no SM idles while another has units to run.

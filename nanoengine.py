@@ -1241,7 +1241,7 @@ TUNED = {
     "gemv": "kernels.linear for decode-sized matmuls, add_rmsnorm in its prologue, silu_and_mul in its epilogue",
     "pdl": "programmatic dependent launch for every Triton kernel (Hopper)",
     "decode_attention": "kernels.decode_attention: RoPE + KV write inside, split-KV, packed kv heads",
-    "prefill_attention": "kernels.prefill_attention for paged_attention: prompt steps at FlashAttention-2 speed",
+    "prefill_attention": "kernels.prefill_attention for paged_attention: GQA query tiles, the causal work balanced",
     "moe_decode": "kernels.fused_moe_decode up to 4 tokens",
     "moe_route": "kernels.moe_route instead of torch's five routing ops",
     "sampler": "kernels.race_sample instead of the torch race",
