@@ -3263,7 +3263,11 @@ def test_tp_engines_come_and_go_leaving_no_process_or_port():
 def test_tp_a_rank_that_dies_or_raises_is_one_clear_error(how, said):
     """A rank killed, or raising (SIGINT: a KeyboardInterrupt in its next step), mid-run: rank 0 raises one
     error that names the rank and what happened to it, and stops every process."""
-    engine = Engine(model="tiny", **TP)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job ignores SIGINT,
+    try:  # and so would the ranks it spawns: they start with Python's own handler
+        engine = Engine(model="tiny", **TP)
+    finally:
+        signal.signal(signal.SIGINT, before)
     proc = engine.model.group.procs[0]
     engine.add_request([1, 2, 3], greedy(50))
     engine.step_async()
