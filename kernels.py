@@ -721,7 +721,7 @@ PREFILL_PROGRAMS_PER_SM = 1  # ... programs an SM (132 KB of shared memory each)
 PREFILL_SPLIT_UNITS_PER_SM = 2  # ... split rows, where tiles leave half the programs idle, to this many units an SM
 PREFILL_MAX_SPLITS = 4  # ... into this many at most (each keeps a float32 partial to merge)
 PREFILL_MIN_SPLIT_TILES = 2  # ... key tiles a split covers at least
-PREFILL_MIN_TOKENS = 0  # ... the tuned path's steps of fewer tokens keep paged_attention (BENCHMARKS.md)
+PREFILL_MIN_TOKENS = 256  # ... the tuned path's steps of fewer tokens keep paged_attention (BENCHMARKS.md)
 PREFILL_MAX_SEQS = 512  # ... requests a step, scanned as one vector by every program; more: paged_attention
 
 
