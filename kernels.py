@@ -1720,19 +1720,19 @@ def _prefill_attention_kernel(
         splits = _splits_of(seq_len, num_splits, min_split_tiles, BLOCK_N) if SPLIT else 1
         per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), splits), 1)  # a request's splits: as many tiles
         split = local % splits
+        q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - local // splits  # the last tile first (its rows see the most keys)
         ticket = tickets_ptr + 2 + (item - split) * NUM_KV_HEADS + kv_head
         block_row = block_table_ptr + req.to(tl.int64) * stride_bt
-        if is_decode:
+        if is_decode:  # one token (q_tile 0): the unit's rows are its group's, not a prompt tile's BLOCK_M
             _attend_unit(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr, ticket, block_row,
-                         q_start, q_len, seq_len, 0, split, splits, per_split, kv_head, rows_per_split, stride_qt,
+                         q_start, q_len, seq_len, q_tile, split, splits, per_split, kv_head, rows_per_split, stride_qt,
                          stride_qh, stride_cache_block, stride_cache_tok, stride_cache_head, qk_scale, NUM_KV_HEADS,
                          GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, 1, BLOCK_MD, BLOCK_N, SPLIT, DOT_PRECISION)
-        else:  # the last query tile first: its rows see the most keys
+        else:
             _attend_unit(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_ml_ptr, ticket, block_row,
-                         q_start, q_len, seq_len, tl.cdiv(q_len, BLOCK_Q) - 1 - local // splits, split, splits,
-                         per_split, kv_head, rows_per_split, stride_qt, stride_qh, stride_cache_block,
-                         stride_cache_tok, stride_cache_head, qk_scale, NUM_KV_HEADS, GROUP, GROUP_PAD, HEAD_DIM,
-                         BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N, SPLIT, DOT_PRECISION)
+                         q_start, q_len, seq_len, q_tile, split, splits, per_split, kv_head, rows_per_split, stride_qt,
+                         stride_qh, stride_cache_block, stride_cache_tok, stride_cache_head, qk_scale, NUM_KV_HEADS,
+                         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N, SPLIT, DOT_PRECISION)
         unit = next_unit
     if _last_to_finish(tickets_ptr + 1, tl.num_programs(0)):
         tl.atomic_xchg(tickets_ptr, 0)  # every program has taken its last unit: the next launch counts from 0
