@@ -4604,9 +4604,10 @@ def _check_prefill_attention(monkeypatch, q_lens, seq_lens, h=4, hkv=2, d=16, pa
                              programs=2, split_units=0, min_split_tiles=None) -> torch.Tensor:
     """prefill_attention against paged_attention_ref, float32 on NaN-guarded caches (_attention_case), kernels'
     torch.empty poisoned: an output left unwritten, or a partial read before it was written, shows as NaN. Tiles
-    of 16 query rows and 16 keys, so that short rows cross several; `programs` (the interpreter counts one SM),
-    and, where the fewest query tiles x Hkv are at most half of them, splits up to split_units x programs / those.
-    Every ticket must be back at 0."""
+    of 16 query rows and 16 keys, so that short rows cross several; `programs` programs in all (one "SM" on
+    any machine, as the interpreter counts), and, where the fewest query tiles x Hkv are at most half of them,
+    splits up to split_units x programs / those. Every ticket must be back at 0."""
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 1)
     monkeypatch.setattr(kernels, "PREFILL_BLOCK_M", 16)
     monkeypatch.setattr(kernels, "PREFILL_BLOCK_N", 16)
     monkeypatch.setattr(kernels, "PREFILL_PROGRAMS_PER_SM", programs)
