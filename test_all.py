@@ -3626,8 +3626,8 @@ def decode_attention(b, hkv, **kw):  # the CPU counts as 1 SM: past 4 programs, 
                              sl, sl - 1, sl, ints(b, 2).int(), torch.zeros(64, 64), 0.1, z(64), z(64), pdl=True, **kw)
 
 
-def prefill_attention(programs_per_sm):  # the CPU counts as 1 SM: many programs an SM split the 2 query tiles
-    kernels.PREFILL_PROGRAMS_PER_SM = programs_per_sm
+def prefill_attention(programs_per_sm, max_splits=1):  # the CPU counts as 1 SM: 64 programs split the 2 query tiles
+    kernels.PREFILL_PROGRAMS_PER_SM, kernels.PREFILL_MAX_SPLITS = programs_per_sm, max_splits
     qsl = torch.tensor([0, 64, 70], dtype=torch.int32)
     kernels.prefill_attention(z(70, 4, 64), z(9, 16, 2, 64), z(9, 16, 2, 64), qsl, ints(2), ints(2, 4).int(), 0.1, 64,
                               pdl=True)
@@ -3655,7 +3655,7 @@ CASES = {
     "decode_attention_rope_inside": lambda: decode_attention(2, 2, num_splits=1),
     "decode_attention_rope_inside_split": lambda: decode_attention(1, 1, num_splits=4),
     "prefill_attention": lambda: prefill_attention(1),
-    "prefill_attention_split": lambda: prefill_attention(64),
+    "prefill_attention_split": lambda: prefill_attention(64, 4),
     "fused_moe_decode": lambda: kernels.fused_moe_decode(z(2, 128), z(8, 256, 128), z(8, 128, 128), z(2, 2),
                                                          ints(2, 2), pdl=True),
     "moe_route": lambda: kernels.moe_route(z(3, 8), 2, True, pdl=True),
@@ -4601,17 +4601,18 @@ def test_kernel_gpu_race_sample():
 
 
 def _check_prefill_attention(monkeypatch, q_lens, seq_lens, h=4, hkv=2, d=16, page=4, max_blocks=None, seed=80,
-                             programs=2, split_units=0, min_split_tiles=None) -> torch.Tensor:
+                             programs=2, split_units=0, min_split_tiles=None, max_splits=4) -> torch.Tensor:
     """prefill_attention against paged_attention_ref, float32 on NaN-guarded caches (_attention_case), kernels'
     torch.empty poisoned: an output left unwritten, or a partial read before it was written, shows as NaN. Tiles
     of 16 query rows and 16 keys, so that short rows cross several; `programs` programs in all (one "SM" on
     any machine, as the interpreter counts), and, where the fewest query tiles x Hkv are at most half of them,
-    splits up to split_units x programs / those. Every ticket must be back at 0."""
+    splits up to split_units x programs / those, max_splits at most. Every ticket must be back at 0."""
     monkeypatch.setattr(kernels, "_sm_count", lambda device: 1)
     monkeypatch.setattr(kernels, "PREFILL_BLOCK_M", 16)
     monkeypatch.setattr(kernels, "PREFILL_BLOCK_N", 16)
     monkeypatch.setattr(kernels, "PREFILL_PROGRAMS_PER_SM", programs)
     monkeypatch.setattr(kernels, "PREFILL_SPLIT_UNITS_PER_SM", split_units)
+    monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", max_splits)
     if min_split_tiles is not None:
         monkeypatch.setattr(kernels, "PREFILL_MIN_SPLIT_TILES", min_split_tiles)
     _poison_empty(monkeypatch)
@@ -4665,11 +4666,11 @@ def test_kernel_prefill_attention_splits_long_rows_and_merges_them(monkeypatch):
     fewer, the short prompt none. The last of a tile's splits to finish merges; calls in a row, each with new data
     (a stale partial would show). On 15 programs the 8 units leave fewer than half idle: no split."""
     launches = spy(monkeypatch, "_prefill_attention_kernel").launches
-    monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", 8)
     for seed in (85, 86, 87):
         _check_prefill_attention(monkeypatch, [24, 1, 5], [224, 300, 5], programs=16, split_units=64, min_split_tiles=1,
-                                 seed=seed)
-    _check_prefill_attention(monkeypatch, [24, 1, 5], [224, 300, 5], programs=15, split_units=64, min_split_tiles=1)
+                                 max_splits=8, seed=seed)
+    _check_prefill_attention(monkeypatch, [24, 1, 5], [224, 300, 5], programs=15, split_units=64, min_split_tiles=1,
+                             max_splits=8)
     assert [x.SPLIT for x in launches] == [True] * 3 + [False]
 
 
@@ -4700,13 +4701,14 @@ def test_kernel_prefill_attention_past_max_seqs_runs_paged_attention(monkeypatch
 
 
 @needs_cuda
-@pytest.mark.parametrize("q_lens,seq_lens", [
-    ([1024], [1024]),  # a 1,024-token prompt
-    ([1024], [4024]),  # a chunk on a 3,000-token prefix
-    ([1] * 16 + [1024], [300 + 53 * i for i in range(16)] + [1024]),  # 16 decodes and a prompt joining them
-    ([7, 1, 0, 300], [7, 8100, 0, 3300]),  # odd lengths, a long decode, a padding row
+@pytest.mark.parametrize("q_lens,seq_lens,max_splits", [
+    ([1024], [1024], 1),  # a 1,024-token prompt
+    ([1024], [4024], 1),  # a chunk on a 3,000-token prefix
+    ([1] * 16 + [1024], [300 + 53 * i for i in range(16)] + [1024], 1),  # 16 decodes and a prompt joining them
+    ([7, 1, 0, 300], [7, 8100, 0, 3300], 1),  # odd lengths, a long decode, a padding row
+    ([7, 1, 0, 300], [7, 8100, 0, 3300], 4),  # the same, its few query tiles split and merged
 ])
-def test_kernel_gpu_prefill_attention_bf16(q_lens, seq_lens):
+def test_kernel_gpu_prefill_attention_bf16(monkeypatch, q_lens, seq_lens, max_splits):
     """Qwen3-0.6B's heads, bf16. Both sides accumulate in float32 and round the output to bf16 once; the kernel
     also rounds each softmax weight to bf16 for the P @ V matmul, off by at most 2^-9 of it: at most 2^-9 x max|v|
     (~5 for these normal V, so ~1e-2) on an output, plus one bf16 step (2^-8) of outputs of magnitude <= ~2,
@@ -4714,7 +4716,10 @@ def test_kernel_gpu_prefill_attention_bf16(q_lens, seq_lens):
     h, hkv, d, page = 16, 8, 128, 16
     max_blocks = -(-max(seq_lens) // page) + 1
     q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed=88, device=CUDA_DEVICE, dtype=BF16)
+    monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", max_splits)
+    launches = spy(monkeypatch, "_prefill_attention_kernel").launches
     out = kernels.prefill_attention(q, *tensors, d**-0.5, max(q_lens))
+    assert [x.SPLIT for x in launches] == [max_splits > 1]
     ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
