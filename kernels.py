@@ -719,9 +719,8 @@ PREFILL_WARPS = 8  # ... warps a program (4 below 64 rows)
 PREFILL_STAGES = 5  # ... pipeline depth: the block-table gather takes a stage, K and V the next two
 PREFILL_PROGRAMS_PER_SM = 1  # ... programs an SM (132 KB of shared memory each), taking units until none is left
 PREFILL_SPLIT_UNITS_PER_SM = 2  # ... split rows, where tiles leave half the programs idle, to this many units an SM
-PREFILL_MAX_SPLITS = 1  # ... into this many at most (each keeps a float32 partial to merge); 1: the engine's steps
-#     never split, as on an H100 no step of 256 tokens or more ran faster split (BENCHMARKS.md)
-PREFILL_MIN_SPLIT_TILES = 2  # ... key tiles a split covers at least
+PREFILL_MAX_SPLITS = 2  # ... into this many at most (each keeps a float32 partial to merge)
+PREFILL_MIN_SPLIT_TILES = 8  # ... key tiles a split covers at least: a short prompt's rows are not worth a merge
 PREFILL_MIN_TOKENS = 256  # ... the tuned path's steps of fewer tokens keep paged_attention (BENCHMARKS.md)
 PREFILL_MAX_SEQS = 512  # ... requests a step, scanned as one vector by every program; more: paged_attention
 
@@ -1565,8 +1564,8 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
 # - a mask on every key tile: here the tiles wholly below a query tile's diagonal take an unmasked loop, the one
 #   or two it cuts a masked one, and the tiles above it are never loaded;
 # - a long row walking every key alone while SMs idle: where a step's query tiles leave half the programs without
-#   one (a lone long decode, a chunk on a long prefix), its keys may split over up to PREFILL_MAX_SPLITS units,
-#   merged by the last to finish in the same launch, as in 2.3 (off by default: at the engine's step sizes the
+#   one (a chunk on a long prefix, long decodes beside a short prompt), its keys split over up to num_splits
+#   units, merged by the last to finish in the same launch, as in 2.3 (only rows of many key tiles: elsewhere the
 #   partials' stores and merges cost more than they balance);
 # - a decode beside a prompt padded to the prompt's query tile: here a decode's unit is its group's rows alone;
 # - a program for each request row, where a prompt graph has max_num_seqs + 1 rows, mostly padding: here a few

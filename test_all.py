@@ -4601,7 +4601,7 @@ def test_kernel_gpu_race_sample():
 
 
 def _check_prefill_attention(monkeypatch, q_lens, seq_lens, h=4, hkv=2, d=16, page=4, max_blocks=None, seed=80,
-                             programs=2, split_units=0, min_split_tiles=None, max_splits=4) -> torch.Tensor:
+                             programs=2, split_units=0, min_split_tiles=2, max_splits=4) -> torch.Tensor:
     """prefill_attention against paged_attention_ref, float32 on NaN-guarded caches (_attention_case), kernels'
     torch.empty poisoned: an output left unwritten, or a partial read before it was written, shows as NaN. Tiles
     of 16 query rows and 16 keys, so that short rows cross several; `programs` programs in all (one "SM" on
@@ -4613,8 +4613,7 @@ def _check_prefill_attention(monkeypatch, q_lens, seq_lens, h=4, hkv=2, d=16, pa
     monkeypatch.setattr(kernels, "PREFILL_PROGRAMS_PER_SM", programs)
     monkeypatch.setattr(kernels, "PREFILL_SPLIT_UNITS_PER_SM", split_units)
     monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", max_splits)
-    if min_split_tiles is not None:
-        monkeypatch.setattr(kernels, "PREFILL_MIN_SPLIT_TILES", min_split_tiles)
+    monkeypatch.setattr(kernels, "PREFILL_MIN_SPLIT_TILES", min_split_tiles)
     _poison_empty(monkeypatch)
     max_blocks = max_blocks or max(1, -(-max(seq_lens) // page))
     q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed)
