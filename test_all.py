@@ -4701,10 +4701,10 @@ def test_kernel_prefill_attention_past_max_seqs_runs_paged_attention(monkeypatch
 
 @needs_cuda
 @pytest.mark.parametrize("q_lens,seq_lens,max_splits", [
-    ([1024], [1024], 1),  # a 1,024-token prompt
-    ([1024], [4024], 1),  # a chunk on a 3,000-token prefix
-    ([1] * 16 + [1024], [300 + 53 * i for i in range(16)] + [1024], 1),  # 16 decodes and a prompt joining them
-    ([7, 1, 0, 300], [7, 8100, 0, 3300], 1),  # odd lengths, a long decode, a padding row
+    ([1024], [1024], None),  # a 1,024-token prompt (None: kernels.py's split settings)
+    ([1024], [4024], None),  # a chunk on a 3,000-token prefix
+    ([1] * 16 + [1024], [300 + 53 * i for i in range(16)] + [1024], None),  # 16 decodes and a prompt joining them
+    ([7, 1, 0, 300], [7, 8100, 0, 3300], 1),  # odd lengths, a long decode, a padding row: unsplit
     ([7, 1, 0, 300], [7, 8100, 0, 3300], 4),  # the same, its few query tiles split and merged
 ])
 def test_kernel_gpu_prefill_attention_bf16(monkeypatch, q_lens, seq_lens, max_splits):
@@ -4715,10 +4715,11 @@ def test_kernel_gpu_prefill_attention_bf16(monkeypatch, q_lens, seq_lens, max_sp
     h, hkv, d, page = 16, 8, 128, 16
     max_blocks = -(-max(seq_lens) // page) + 1
     q, tensors = _attention_case(q_lens, seq_lens, h, hkv, d, page, max_blocks, seed=88, device=CUDA_DEVICE, dtype=BF16)
-    monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", max_splits)
+    if max_splits is not None:
+        monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", max_splits)
     launches = spy(monkeypatch, "_prefill_attention_kernel").launches
     out = kernels.prefill_attention(q, *tensors, d**-0.5, max(q_lens))
-    assert [x.SPLIT for x in launches] == [max_splits > 1]
+    assert max_splits is None or [x.SPLIT for x in launches] == [max_splits > 1]
     ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
