@@ -337,6 +337,8 @@ def online_record(engine: Engine, a, rate: float | None, load: list) -> dict:
                 duration_s=round(r["wall"], 2), output_tok_s=round(out_tokens / r["wall"], 1),
                 total_tok_s=round((out_tokens + sum(len(p) for _, p in load)) / r["wall"], 1),
                 offered_output_tok_s=None if rate is None else round(rate * a.output_len, 1),
+                # the run ends at its last arrival plus that request's decode: this sample's ceiling on output_tok_s
+                last_arrival_s=round(max(s for s, _ in load), 3),
                 ttft_ms=percentiles([t[0] - s for s, t in times]),
                 tpot_ms=percentiles([(t[-1] - t[0]) / (len(t) - 1) for _, t in times if len(t) > 1]),
                 itl_ms=percentiles([b - x for _, t in times for x, b in zip(t, t[1:])]),

@@ -3455,6 +3455,7 @@ def test_cli_online_reports_latency_percentiles():
         assert rec["ttft_ms"]["p50"] <= rec["e2e_ms"]["p50"]
         assert rec["output_tok_s"] > 0 and rec["total_tok_s"] > rec["output_tok_s"]
         assert rec["offered_output_tok_s"] == rec["rate"] * 4
+        assert 0 < rec["last_arrival_s"] < rec["duration_s"], rec
         assert rec["decode_step_ms"]["n"] > 0 and rec["prompt_step_ms"]["n"] > 0
         assert rec["compiles_during_run"] is None and rec["join_step_ms"]["median"] > 0
     assert "online: warm-up" in r.stderr and not [x for x in r.stderr.splitlines() if is_json(x)]
