@@ -4720,7 +4720,7 @@ def test_kernel_gpu_prefill_attention_bf16(monkeypatch, q_lens, seq_lens, max_sp
         monkeypatch.setattr(kernels, "PREFILL_MAX_SPLITS", max_splits)
     launches = spy(monkeypatch, "_prefill_attention_kernel").launches
     out = kernels.prefill_attention(q, *tensors, d**-0.5, max(q_lens))
-    assert max_splits is None or [x.SPLIT for x in launches] == [max_splits > 1]
+    assert len(launches) == 1 and (max_splits is None or launches[0].SPLIT == (max_splits > 1))  # the kernel ran once
     ref = kernels.paged_attention_ref(q, *tensors, d**-0.5, max(q_lens))
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **BF16_GEMM_TOL)
